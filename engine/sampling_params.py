@@ -1,0 +1,42 @@
+"""Per-request sampling settings, shaped like vLLM's ``SamplingParams``."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request picks its tokens and when it stops.
+
+    Attributes:
+        max_tokens: number of tokens to generate (at least 1).
+        temperature: 0 means greedy (argmax); otherwise logits are divided by it.
+        top_k: keep only the k most likely tokens (0 or -1 = no limit).
+        top_p: keep the smallest set of tokens whose probability sums to >= top_p (1.0 = no limit).
+        seed: a per-request seed; the request then samples the same tokens whatever else
+            is in the batch and whichever strategies run. ``None`` uses the engine's generator.
+        ignore_eos: keep generating after the end-of-sequence token (benchmarks use this).
+        stop_token_ids: extra token ids that end the request (besides EOS unless ignored).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1, 0 (no limit) or positive, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

@@ -1,0 +1,87 @@
+"""What a KV-cache strategy is: a memory allocator plus the K/V tensors it hands out.
+
+Think of the cache as an operating system's physical memory. K/V live in fixed *blocks*
+(page frames) of ``block_size`` token slots; every sequence keeps a *block table* (its page
+table) mapping logical token ``t`` to physical slot
+``block_table[t // block_size] * block_size + t % block_size``. Strategies differ only in how
+they hand out blocks:
+
+* ``contiguous`` reserves one region per sequence up front (the naive baseline),
+* ``paged`` grows a sequence one block at a time from a free list,
+* ``prefix`` is paged plus sharing of full blocks between prompts with the same prefix.
+
+All strategies size their tensors once, from one budget (``capacity_tokens``), so they
+compete on the same memory. All operations are all-or-nothing: a call that returns ``False``
+changed nothing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from engine.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """A snapshot of KV memory, in tokens.
+
+    Attributes:
+        used_tokens: slots holding K/V of live sequences (computed tokens; a shared block counts once).
+        reserved_tokens: slots handed to live sequences, used or not (>= used_tokens).
+        capacity_tokens: all slots the tensors hold (num_blocks * block_size).
+        num_free_blocks: blocks that can be handed out now (including evictable cached blocks).
+        num_blocks: blocks in the pool.
+        prefix_hit_tokens: cumulative tokens whose prefill was skipped thanks to a prefix hit.
+        prefix_query_tokens: cumulative tokens looked up in the prefix cache.
+    """
+
+    used_tokens: int
+    reserved_tokens: int
+    capacity_tokens: int
+    num_free_blocks: int
+    num_blocks: int
+    prefix_hit_tokens: int = 0
+    prefix_query_tokens: int = 0
+
+
+@runtime_checkable
+class KVCacheStrategy(Protocol):
+    """The interface schedulers and the runner use. One implementation per file."""
+
+    block_size: int
+    num_blocks: int
+    #: one ``(k_cache, v_cache)`` pair per layer, ``[num_blocks, block_size, kv_heads, head_dim]``.
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+
+    def allocate_tensors(
+        self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        """Create the K/V tensors once; called by the engine after the model is known."""
+
+    def max_tokens_per_seq(self) -> int:
+        """The longest sequence this cache could ever hold (an empty pool, one sequence)."""
+
+    def num_cached_prefix_tokens(self, seq: Sequence) -> int:
+        """Tokens of ``seq`` a prefix hit would skip now (0 for caches without sharing). No side effects."""
+
+    def admit(self, seq: Sequence, num_tokens: int) -> bool:
+        """Give a new (or preempted) ``seq`` room for its first ``num_tokens`` tokens.
+
+        Applies prefix hits: sets ``seq.num_computed_tokens`` and ``seq.num_cached_tokens``.
+        Returns ``False`` (changing nothing) when memory is short.
+        """
+
+    def grow(self, seq: Sequence, num_tokens: int) -> bool:
+        """Make ``seq``'s block table cover ``num_tokens`` tokens. ``False`` if memory is short."""
+
+    def free(self, seq: Sequence) -> None:
+        """Return ``seq``'s blocks. Raises ``RuntimeError`` if ``seq`` holds none (double free)."""
+
+    def on_tokens_computed(self, seq: Sequence) -> None:
+        """Called after each step that computed tokens of ``seq`` (prefix caches publish full blocks)."""
+
+    def stats(self) -> CacheStats:
+        """Current memory usage."""

@@ -1,0 +1,72 @@
+"""What a scheduler decides each step, and the record of that decision.
+
+The scheduler owns the waiting queue and the running set. Each step it picks, for every
+sequence it runs, how many new tokens to compute — a whole prompt, a prefill chunk, or one
+decode token — asks the cache strategy for room, and may preempt sequences to make room.
+Because every step is "some tokens per sequence", prefill, decode, chunked prefill, prefix hits
+and recompute after preemption share one code path in the runner.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from engine.sequence import Sequence
+
+
+@dataclass
+class ScheduledSequence:
+    """One row group of the step's flat batch.
+
+    Attributes:
+        seq: the sequence.
+        num_new_tokens: tokens of ``seq`` computed this step, starting at ``seq.num_computed_tokens``.
+        is_padding: a finished member of a static batch that still occupies (and computes in)
+            its slot: the runner recomputes its last token, the result is discarded. A wasted slot.
+    """
+
+    seq: Sequence
+    num_new_tokens: int
+    is_padding: bool = False
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    num_waiting: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(item.num_new_tokens for item in self.scheduled)
+
+    @property
+    def num_wasted_slots(self) -> int:
+        return sum(1 for item in self.scheduled if item.is_padding)
+
+
+@runtime_checkable
+class Scheduler(Protocol):
+    """Built by ``hydra.utils.instantiate(cfg, cache=cache, max_model_len=...)``."""
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new request (status WAITING)."""
+
+    def schedule(self) -> SchedulerOutput:
+        """Decide this step's batch. Asserts its invariants before returning."""
+
+    def retire(self, finished: list[Sequence]) -> None:
+        """Called after the step with the sequences that just finished; frees what it may."""
+
+    def has_unfinished(self) -> bool:
+        """Anything waiting, running, or occupying a slot."""
+
+    @property
+    def num_waiting(self) -> int: ...
+
+    @property
+    def num_running(self) -> int: ...
