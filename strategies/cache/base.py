@@ -85,3 +85,23 @@ class KVCacheStrategy(Protocol):
 
     def stats(self) -> CacheStats:
         """Current memory usage."""
+
+
+def allocate_kv_tensors(
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One zeroed ``(k_cache, v_cache)`` pair per layer, ``[num_blocks, block_size, kv_heads, head_dim]``.
+
+    Sized once from the budget; no strategy ever reallocates them.
+    """
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    return [
+        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        for _ in range(num_layers)
+    ]

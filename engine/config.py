@@ -1,0 +1,72 @@
+"""Build the engine's config from strategy names, using the same YAML files as Hydra.
+
+``LLM(cache="paged", block_size=4)`` and ``python run.py cache=paged cache.block_size=4``
+compose the same node: ``conf/cache/paged.yaml`` with ``block_size`` overridden. The YAML files'
+``_target_`` is the only registry of strategies.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+
+
+def available(group: str) -> list[str]:
+    return sorted(path.stem for path in (CONF_DIR / group).glob("*.yaml"))
+
+
+def load_group_option(group: str, name: str, overrides: dict[str, Any]) -> DictConfig:
+    """Load ``conf/<group>/<name>.yaml`` and apply ``overrides`` (``None`` values are skipped).
+
+    Raises ``ValueError`` for an unknown name or an option the strategy does not have.
+    """
+    path = CONF_DIR / group / f"{name}.yaml"
+    if not path.is_file():
+        raise ValueError(f"unknown {group} {name!r}; available: {', '.join(available(group))}")
+    node = OmegaConf.load(path)
+    for key, value in overrides.items():
+        if value is None:
+            continue
+        if key not in node:
+            raise ValueError(f"{group} {name!r} has no option {key!r}; its options: {', '.join(k for k in node if k != '_target_')}")
+        node[key] = value
+    return node
+
+
+def model_node(model: str, weights: str) -> DictConfig:
+    """A named model (``conf/model/<name>.yaml``) or a checkpoint folder path."""
+    if (CONF_DIR / "model" / f"{model}.yaml").is_file():
+        node = OmegaConf.load(CONF_DIR / "model" / f"{model}.yaml")
+        node.weights = weights
+        return node
+    if Path(model).expanduser().is_dir():
+        return OmegaConf.create({"name": Path(model).name, "path": str(Path(model).expanduser()), "weights": "pretrained"})
+    raise ValueError(f"unknown model {model!r}: not a folder and not one of {', '.join(available('model'))}")
+
+
+def engine_config(
+    model: str,
+    cache: str,
+    scheduler: str,
+    attention: str,
+    device: str,
+    dtype: str,
+    weights: str,
+    seed: int,
+    cache_options: dict[str, Any],
+    scheduler_options: dict[str, Any],
+) -> DictConfig:
+    return OmegaConf.create(
+        {
+            "model": model_node(model, weights),
+            "cache": load_group_option("cache", cache, cache_options),
+            "scheduler": load_group_option("scheduler", scheduler, scheduler_options),
+            "attention": load_group_option("attention", attention, {}),
+            "device": device,
+            "dtype": dtype,
+            "seed": seed,
+        }
+    )

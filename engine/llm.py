@@ -1,0 +1,260 @@
+"""The public engine API, shaped like vLLM's ``LLM``.
+
+One step is scheduler -> runner -> sampler:
+
+1. the scheduler picks each running sequence's new tokens (and admits / preempts), asking the
+   cache strategy for memory;
+2. the runner flattens the step into one varlen batch and runs the model once;
+3. the sampler picks the next token of every sequence whose uncomputed tokens are done;
+   finished sequences retire and free their memory in the same step.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence as SequenceOf
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+
+from engine.config import engine_config
+from engine.device import resolve_device, resolve_dtype
+from engine.loader import load_model, resolve_checkpoint
+from engine.model_config import ModelConfig
+from engine.outputs import RequestOutput, StepRecord
+from engine.runner import ModelRunner
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence, SequenceStatus
+from strategies.scheduler.base import SchedulerOutput
+
+
+class LLM:
+    """A serving engine over one model with one cache, scheduler and attention strategy.
+
+    Args:
+        model: a named model (``conf/model/<name>.yaml``: ``tiny``, ``smollm2-135m``,
+            ``qwen2.5-0.5b``) or a folder with an HF Llama/Qwen2 checkpoint.
+        cache / scheduler / attention: strategy names (``conf/<group>/<name>.yaml``).
+        device: ``auto`` (cuda, then mps, then cpu) or a torch device string.
+        dtype: ``float32``, ``bfloat16``, ``float16`` or ``auto``.
+        block_size, capacity_tokens: cache options (``None`` keeps the YAML default).
+        max_num_seqs, max_num_batched_tokens, chunked_prefill: scheduler options.
+        weights: ``random`` (seeded random weights, built once and cached) or ``pretrained``.
+        seed: seeds the sampler's shared generator.
+    """
+
+    def __init__(
+        self,
+        model: str = "smollm2-135m",
+        cache: str = "paged",
+        scheduler: str = "continuous",
+        attention: str = "torch_sdpa",
+        device: str = "auto",
+        dtype: str = "float32",
+        block_size: int | None = None,
+        capacity_tokens: int | None = None,
+        max_num_seqs: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        chunked_prefill: bool | None = None,
+        weights: str = "random",
+        seed: int = 0,
+    ) -> None:
+        cfg = engine_config(
+            model, cache, scheduler, attention, device, dtype, weights, seed,
+            cache_options={"block_size": block_size, "capacity_tokens": capacity_tokens},
+            scheduler_options={
+                "max_num_seqs": max_num_seqs,
+                "max_num_batched_tokens": max_num_batched_tokens,
+                "chunked_prefill": chunked_prefill,
+            },
+        )
+        self.build(cfg)
+
+    @classmethod
+    def from_config(cls, cfg: DictConfig) -> "LLM":
+        """Build from a composed config with ``model``, ``cache``, ``scheduler``, ``attention``,
+        ``device``, ``dtype`` and ``seed`` (what ``run.py`` gets from Hydra)."""
+        llm = cls.__new__(cls)
+        llm.build(cfg)
+        return llm
+
+    def build(self, cfg: DictConfig) -> None:
+        self.config = cfg
+        self.device = resolve_device(cfg.device)
+        self.dtype = resolve_dtype(cfg.dtype, self.device)
+        checkpoint = resolve_checkpoint(cfg.model.get("path") or cfg.model.name, weights=cfg.model.weights)
+        self.model, self.model_config = load_model(checkpoint, self.dtype, self.device)
+        mc: ModelConfig = self.model_config
+        self.cache = instantiate(cfg.cache)
+        self.cache.allocate_tensors(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, self.dtype, self.device)
+        self.scheduler = instantiate(cfg.scheduler, cache=self.cache, max_model_len=mc.max_model_len)
+        self.attention = instantiate(cfg.attention)
+        self.runner = ModelRunner(self.model, self.cache, self.attention, self.device)
+        self.sampler = Sampler(cfg.seed)
+        self.step_records: list[StepRecord] = []
+        self.request_counter = itertools.count()
+        self.prefix_hits_so_far = 0
+
+    # -- requests ---------------------------------------------------------------------------
+    @staticmethod
+    def clock() -> float:
+        """The engine clock: ``time.perf_counter()`` seconds. Arrival times use it too."""
+        return time.perf_counter()
+
+    def validate(self, prompt_token_ids: SequenceOf[int], params: SamplingParams) -> None:
+        """Reject a request that can never be served, naming the limit. Nothing else is touched."""
+        mc = self.model_config
+        if len(prompt_token_ids) == 0:
+            raise ValueError("prompt is empty: a request needs at least 1 prompt token")
+        bad = [t for t in prompt_token_ids if not 0 <= int(t) < mc.vocab_size]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {mc.vocab_size})")
+        total = len(prompt_token_ids) + params.max_tokens
+        if total > mc.max_model_len:
+            raise ValueError(
+                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
+                f"exceeds max_model_len={mc.max_model_len}"
+            )
+        fits = self.cache.max_tokens_per_seq()
+        if total > fits:
+            raise ValueError(
+                f"request needs up to {total} KV tokens but the cache can hold at most {fits} "
+                f"for one sequence (capacity_tokens); it could never run"
+            )
+
+    def add_request(
+        self, prompt_token_ids: SequenceOf[int], sampling_params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> int:
+        """Queue a request; returns its id. Raises ``ValueError`` if it can never be served."""
+        params = sampling_params or SamplingParams()
+        self.validate(prompt_token_ids, params)
+        seq = Sequence(
+            seq_id=next(self.request_counter),
+            prompt_token_ids=[int(t) for t in prompt_token_ids],
+            sampling_params=params,
+            arrival_time=self.clock() if arrival_time is None else arrival_time,
+        )
+        self.scheduler.add(seq)
+        return seq.seq_id
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- one step ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; returns the requests that finished in it."""
+        start = self.clock()
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return []
+        for item in plan.scheduled:
+            if item.seq.first_scheduled_time is None:
+                item.seq.first_scheduled_time = start
+        inputs = self.runner.prepare(plan.scheduled)
+        logits = self.runner.execute(inputs)
+        next_tokens = self.sampler(logits, [item.seq for item in inputs.sampled])
+        now = self.clock()
+
+        num_decode_tokens = sum(
+            1 for item in plan.scheduled
+            if not item.is_padding and item.seq.num_output_tokens > 0 and item.seq.num_uncomputed_tokens == 1
+        )
+        for item in plan.scheduled:
+            if not item.is_padding:
+                item.seq.num_computed_tokens += item.num_new_tokens
+                self.cache.on_tokens_computed(item.seq)
+        finished = [
+            item.seq for item, token in zip(inputs.sampled, next_tokens)
+            if not item.is_padding and self.append_token(item.seq, token, now)
+        ]
+        self.record_step(plan, start, num_decode_tokens)
+        self.scheduler.retire(finished)
+        return [RequestOutput.from_sequence(seq) for seq in finished]
+
+    def append_token(self, seq: Sequence, token: int, now: float) -> bool:
+        """Append a sampled token; returns True if the sequence just finished."""
+        seq.token_ids.append(token)
+        seq.token_times.append(now)
+        params = seq.sampling_params
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.model_config.eos_token_ids):
+            seq.finish_reason = "stop"
+        elif seq.num_output_tokens >= params.max_tokens:
+            seq.finish_reason = "length"
+        else:
+            return False
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_time = now
+        return True
+
+    def record_step(self, plan: SchedulerOutput, start: float, num_decode_tokens: int) -> None:
+        stats = self.cache.stats()
+        end = self.clock()
+        prefix_hits = stats.prefix_hit_tokens - self.prefix_hits_so_far
+        self.prefix_hits_so_far = stats.prefix_hit_tokens
+        num_wasted = plan.num_wasted_slots
+        self.step_records.append(
+            StepRecord(
+                step=len(self.step_records),
+                start_time=start,
+                end_time=end,
+                duration_s=end - start,
+                num_seqs=len(plan.scheduled),
+                num_prefill_tokens=plan.num_batched_tokens - num_decode_tokens - num_wasted,
+                num_decode_tokens=num_decode_tokens,
+                num_wasted_slots=num_wasted,
+                kv_used_tokens=stats.used_tokens,
+                kv_reserved_tokens=stats.reserved_tokens,
+                kv_capacity_tokens=stats.capacity_tokens,
+                num_preempted=len(plan.preempted),
+                prefix_hit_tokens=prefix_hits,
+                num_waiting=self.scheduler.num_waiting,
+                num_running=self.scheduler.num_running,
+                forward_passes=1,
+            )
+        )
+
+    # -- batch convenience --------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: SequenceOf[SequenceOf[int]],
+        sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Serve a list of token-id prompts to completion; outputs in input order.
+
+        Every prompt is validated before any is queued, so a bad one rejects the call cleanly.
+        """
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"{len(params_list)} sampling params for {len(prompts)} prompts")
+        for prompt, params in zip(prompts, params_list):
+            self.validate(prompt, params)
+        request_ids = [self.add_request(prompt, params) for prompt, params in zip(prompts, params_list)]
+        wanted = set(request_ids)
+        outputs: dict[int, RequestOutput] = {}
+        progress = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            progress = tqdm(total=len(request_ids), desc="requests")
+        while wanted - outputs.keys():
+            for output in self.step():
+                if output.request_id in wanted:
+                    outputs[output.request_id] = output
+                    if progress is not None:
+                        progress.update(1)
+        if progress is not None:
+            progress.close()
+        return [outputs[request_id] for request_id in request_ids]
+
+    def free_blocks_check(self) -> None:
+        """Assert no KV memory is held (call when ``has_unfinished()`` is False)."""
+        stats = self.cache.stats()
+        if stats.num_free_blocks != stats.num_blocks or stats.reserved_tokens:
+            raise AssertionError(f"KV leak: {stats}")

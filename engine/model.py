@@ -1,0 +1,191 @@
+"""Our Llama-family / Qwen2 decoder, written for a flat varlen token batch.
+
+There is no batch dimension and no padding: one engine step concatenates the new tokens of
+every scheduled sequence into ``T`` rows (``input_ids [T]``, ``positions [T]``), whether a row
+is a prompt token (prefill) or the one new token of a decoding sequence. Everything that is
+per-token — embedding, RMSNorm, the fused ``qkv_proj`` / ``gate_up_proj`` matmuls, RoPE
+(looked up by each row's absolute position) — runs on all ``T`` rows at once. The only place
+where rows must know which sequence they belong to is attention: each layer hands its new
+q/k/v and that layer's KV cache to the attention backend together with the step's
+:class:`AttentionMetadata`. The backend writes the new K/V into the cache at ``slot_mapping``
+and lets every query row attend to its sequence's earlier tokens, read from the cache through
+the block table. The model itself never sees the cache layout.
+
+Differences from HF's modules are deliberate and numerically neutral: q/k/v are one matmul
+(``qkv_proj``), gate/up are one matmul (``gate_up_proj``), and the RoPE cos/sin table is
+computed once for all positions instead of on every forward.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention_metadata import AttentionMetadata
+from engine.model_config import ModelConfig
+from strategies.attention.base import AttentionBackend
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class RMSNorm(nn.Module):
+    """``weight * x / rms(x)``, computed in float32 like HF."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE in HF's rotate_half convention with one float32 cos/sin table for all positions.
+
+    ``cos_sin[p, 0]`` / ``cos_sin[p, 1]`` hold ``cos(p * f)`` / ``sin(p * f)`` for the
+    ``head_dim`` frequencies ``f = cat(inv_freq, inv_freq)``.
+    """
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float) -> None:
+        super().__init__()
+        self.head_dim, self.max_positions, self.theta = head_dim, max_positions, theta
+        self.register_buffer("cos_sin", self._table(None), persistent=False)
+
+    def _table(self, device: torch.device | None) -> torch.Tensor:
+        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=device).float() / self.head_dim
+        inv_freq = 1.0 / (self.theta**exponents)
+        positions = torch.arange(self.max_positions, dtype=torch.float32, device=device)
+        angles = torch.outer(positions, inv_freq)
+        angles = torch.cat((angles, angles), dim=-1)
+        return torch.stack((angles.cos(), angles.sin()), dim=1)
+
+    def rebuild(self, device: torch.device | str) -> None:
+        """Recompute the table on ``device`` (used after building the model on ``meta``)."""
+        self.cos_sin = self._table(torch.device(device))
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos, sin`` of shape ``[T, 1, head_dim]`` in ``dtype`` (broadcast over heads)."""
+        cos, sin = self.cos_sin[positions].to(dtype).unbind(1)
+        return cos.unsqueeze(1), sin.unsqueeze(1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [T, heads, head_dim]``: ``x * cos + rotate_half(x) * sin``."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Attention(nn.Module):
+    """Fused q/k/v projection, RoPE, the backend's paged attention, output projection."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.scale = config.head_dim**-0.5
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: KVCache,
+        metadata: AttentionMetadata,
+        attention: AttentionBackend,
+    ) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rope(q.view(T, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(T, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        out = attention.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale)
+        return self.o_proj(out.reshape(T, self.q_size))
+
+
+class MLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))`` with gate and up fused into one matmul."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: ``x += attn(norm(x)); x += mlp(norm(x))``."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: KVCache,
+        metadata: AttentionMetadata,
+        attention: AttentionBackend,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, metadata, attention)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class CausalLM(nn.Module):
+    """Llama / SmolLM2 / Qwen2 decoder over a flat token batch (see the module docstring).
+
+    Parameter names follow HF's except for the fused ``self_attn.qkv_proj`` (rows: q, then k,
+    then v) and ``mlp.gate_up_proj`` (rows: gate, then up); there is no ``lm_head`` when the
+    embeddings are tied. ``engine.loader`` maps HF checkpoints onto these names.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
+        self.lm_head = (
+            None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        metadata: AttentionMetadata,
+        attention: AttentionBackend,
+    ) -> torch.Tensor:
+        """Final (normed) hidden states ``[T, hidden_size]`` of the ``T`` flattened new tokens.
+
+        ``kv_caches[i]`` is layer ``i``'s ``(k_cache, v_cache)``, each
+        ``[num_blocks, block_size, num_kv_heads, head_dim]``; the backend writes this step's
+        K/V into them.
+        """
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"got {len(kv_caches)} KV-cache pairs for {len(self.layers)} layers")
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions, x.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(x, cos, sin, kv_cache, metadata, attention)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits ``[N, vocab_size]`` for selected rows of :meth:`forward`'s output."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()

@@ -1,0 +1,92 @@
+"""What the engine reports: one record per finished request and one per step."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.sequence import Sequence
+
+
+@dataclass
+class RequestOutput:
+    """A request's tokens and timestamps (engine clock, seconds; see ``LLM.clock``).
+
+    Attributes:
+        request_id: id returned by ``add_request``.
+        prompt_token_ids: the prompt.
+        token_ids: generated tokens.
+        finished: whether the request is done.
+        finish_reason: ``"length"`` (max_tokens) or ``"stop"`` (EOS / stop token).
+        arrival_time: when the request arrived.
+        first_scheduled_time: when it first entered a step (queueing ends).
+        first_token_time: when its first token was produced.
+        token_times: when each generated token was produced.
+        finish_time: when it finished.
+        num_cached_tokens: prompt tokens served from the prefix cache at its (last) admission.
+        num_preemptions: how often it was preempted and recomputed.
+    """
+
+    request_id: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    token_times: list[float] = field(default_factory=list)
+    finish_time: float | None = None
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+
+    @classmethod
+    def from_sequence(cls, seq: Sequence) -> "RequestOutput":
+        return cls(
+            request_id=seq.seq_id,
+            prompt_token_ids=list(seq.prompt_token_ids),
+            token_ids=seq.output_token_ids,
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason,
+            arrival_time=seq.arrival_time,
+            first_scheduled_time=seq.first_scheduled_time,
+            first_token_time=seq.first_token_time,
+            token_times=list(seq.token_times),
+            finish_time=seq.finish_time,
+            num_cached_tokens=seq.num_cached_tokens,
+            num_preemptions=seq.num_preemptions,
+        )
+
+
+@dataclass
+class StepRecord:
+    """One engine step, as the engine saw it.
+
+    Attributes:
+        step: step index from 0.
+        start_time / end_time / duration_s: engine clock around schedule + forward + sample.
+        num_seqs: rows groups in the batch (including wasted slots).
+        num_prefill_tokens: tokens computed for prompts (or recompute after preemption).
+        num_decode_tokens: single next-token computations of running sequences.
+        num_wasted_slots: finished static-batch members still computing (their output is discarded).
+        kv_used_tokens / kv_reserved_tokens / kv_capacity_tokens: KV memory during the step.
+        num_preempted: sequences preempted by this step's schedule.
+        prefix_hit_tokens: prompt tokens whose prefill this step's admissions skipped.
+        num_waiting / num_running: queue and running set after scheduling.
+        forward_passes: model forward passes in the step (1 when anything ran).
+    """
+
+    step: int
+    start_time: float
+    end_time: float
+    duration_s: float
+    num_seqs: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_wasted_slots: int
+    kv_used_tokens: int
+    kv_reserved_tokens: int
+    kv_capacity_tokens: int
+    num_preempted: int
+    prefix_hit_tokens: int
+    num_waiting: int
+    num_running: int
+    forward_passes: int

@@ -1,0 +1,103 @@
+"""Feed a workload to an engine in real time and collect what comes back.
+
+Requests are submitted at their arrival times (``t0 + arrival_offset_s`` on the engine clock)
+through ``add_request``; between arrivals the engine ``step()``s; when the engine is idle and the
+next arrival is in the future, the driver sleeps until it. An optional client-side cap
+(``max_concurrency``, like vLLM's ``benchmark_serving --max-concurrency``) keeps at most that
+many requests in flight; a held-back request keeps its original arrival time, so the wait
+counts in its TTFT (a user would see it).
+
+Any engine with this small surface can be driven: servelab's ``LLM`` and the HF peers.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from tqdm import tqdm
+
+from experiments.records import RequestRecord, record_from_output, step_to_dict
+from experiments.workloads import WorkloadRequest
+
+
+class ServingEngine(Protocol):
+    """What the driver needs (servelab's ``LLM`` satisfies it; see docs/CONTRACTS.md)."""
+
+    step_records: list[Any]
+
+    def add_request(self, prompt_token_ids: list[int], sampling_params: Any, arrival_time: float | None = None) -> Any: ...
+
+    def step(self) -> list[Any]: ...
+
+    def has_unfinished(self) -> bool: ...
+
+    def clock(self) -> float: ...
+
+
+@dataclass
+class DriveResult:
+    """What one run produced: finished requests (workload order) and the engine's step records."""
+
+    records: list[RequestRecord]
+    steps: list[dict[str, Any]]
+    t0: float
+    wall_s: float
+
+
+def _relative_steps(steps: list[Any], t0: float) -> list[dict[str, Any]]:
+    rows = []
+    for step in steps:
+        row = step_to_dict(step)
+        for key in ("start_time", "end_time"):
+            if row.get(key) is not None:
+                row[key] = float(row[key]) - t0
+        rows.append(row)
+    return rows
+
+
+def drive(
+    engine: ServingEngine,
+    requests: Sequence[WorkloadRequest],
+    max_concurrency: int | None = None,
+    progress: bool = True,
+) -> DriveResult:
+    """Run ``requests`` through ``engine`` in real time; returns when every request finished."""
+    if max_concurrency is not None and max_concurrency < 1:
+        raise ValueError(f"max_concurrency must be >= 1 or None, got {max_concurrency}")
+    pending = deque(sorted(requests, key=lambda r: r.arrival_offset_s))
+    names: dict[Any, str] = {}
+    submit_times: dict[Any, float] = {}
+    records: dict[str, RequestRecord] = {}
+    t0 = engine.clock()
+    bar = tqdm(total=len(requests), desc="requests", unit="req", disable=not progress)
+    try:
+        while pending or engine.has_unfinished():
+            now = engine.clock()
+            in_flight = len(names) - len(records)
+            while (
+                pending
+                and t0 + pending[0].arrival_offset_s <= now
+                and (max_concurrency is None or in_flight < max_concurrency)
+            ):
+                request = pending.popleft()
+                engine_id = engine.add_request(
+                    request.prompt_token_ids, request.sampling_params, arrival_time=t0 + request.arrival_offset_s
+                )
+                names[engine_id] = request.request_id
+                submit_times[engine_id] = engine.clock()
+                in_flight += 1
+            if engine.has_unfinished():
+                for output in engine.step():
+                    name = names[output.request_id]
+                    records[name] = record_from_output(output, name, submit_times[output.request_id], t0)
+                    bar.update(1)
+            elif pending:
+                time.sleep(max(0.0, t0 + pending[0].arrival_offset_s - engine.clock()))
+    finally:
+        bar.close()
+    wall = engine.clock() - t0
+    ordered = [records[r.request_id] for r in requests if r.request_id in records]
+    return DriveResult(records=ordered, steps=_relative_steps(list(engine.step_records), t0), t0=t0, wall_s=wall)

@@ -1,0 +1,172 @@
+"""Serving metrics with exactly the definitions of vLLM's serving benchmark.
+
+Per request (times from :class:`~experiments.records.RequestRecord`):
+
+* TTFT = first token - arrival
+* E2E  = finish - arrival
+* TPOT = (E2E - TTFT) / (output_tokens - 1); undefined for 1-token outputs, which are
+  excluded from TPOT statistics (and, as in vLLM, count as TPOT 0 for goodput)
+* ITL  = gaps between consecutive token times (all gaps of all requests pooled)
+
+Per run: duration = first arrival to last finish; request/s, output tok/s, total tok/s
+(prompt + output) over that duration; goodput = requests meeting every SLO per second.
+Each latency gets mean / p50 / p90 / p99 (``numpy.percentile``, linear interpolation).
+Engine-side aggregates come from the per-step records.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from experiments.records import RequestRecord
+
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass(frozen=True)
+class SLO:
+    """Service-level objectives for goodput; ``None`` disables a bound."""
+
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    e2e_s: float | None = None
+
+
+def ttft(record: RequestRecord) -> float:
+    return record.first_token_s - record.arrival_s
+
+
+def e2e(record: RequestRecord) -> float:
+    return record.finish_s - record.arrival_s
+
+
+def tpot(record: RequestRecord) -> float | None:
+    """Time per output token after the first; ``None`` for outputs of fewer than 2 tokens."""
+    if record.output_tokens < 2:
+        return None
+    return (e2e(record) - ttft(record)) / (record.output_tokens - 1)
+
+
+def itls(record: RequestRecord) -> list[float]:
+    times = record.token_times_s
+    return [later - earlier for earlier, later in zip(times, times[1:])]
+
+
+def queue_time(record: RequestRecord) -> float | None:
+    """Arrival to first scheduled step (waiting in the client cap plus the engine queue)."""
+    return None if record.first_scheduled_s is None else record.first_scheduled_s - record.arrival_s
+
+
+def meets_slo(record: RequestRecord, slo: SLO) -> bool:
+    request_tpot = tpot(record)
+    checks = (
+        (slo.ttft_s, ttft(record)),
+        (slo.tpot_s, 0.0 if request_tpot is None else request_tpot),
+        (slo.e2e_s, e2e(record)),
+    )
+    return all(bound is None or value <= bound for bound, value in checks)
+
+
+def distribution(values: Iterable[float]) -> dict[str, float | None]:
+    """mean / p50 / p90 / p99 (``None`` each when there are no values)."""
+    data = np.asarray([v for v in values if v is not None and not math.isnan(v)], dtype=np.float64)
+    if data.size == 0:
+        return {"mean": None, **{f"p{p}": None for p in PERCENTILES}}
+    return {"mean": float(data.mean()), **{f"p{p}": float(np.percentile(data, p)) for p in PERCENTILES}}
+
+
+def run_duration(records: Sequence[RequestRecord]) -> float:
+    """First arrival to last finish."""
+    if not records:
+        return 0.0
+    return max(r.finish_s for r in records) - min(r.arrival_s for r in records)
+
+
+def _per_second(count: float, duration: float) -> float | None:
+    return count / duration if duration > 0 else None
+
+
+def request_metrics(records: Sequence[RequestRecord], slo: SLO) -> dict[str, Any]:
+    """Run-level client metrics (flat dict, keys like ``ttft_s_p99``)."""
+    duration = run_duration(records)
+    prompt = sum(r.prompt_tokens for r in records)
+    output = sum(r.output_tokens for r in records)
+    good = sum(meets_slo(r, slo) for r in records)
+    metrics: dict[str, Any] = {
+        "num_requests": len(records),
+        "duration_s": duration,
+        "total_prompt_tokens": prompt,
+        "total_output_tokens": output,
+        "request_throughput": _per_second(len(records), duration),
+        "output_throughput": _per_second(output, duration),
+        "total_token_throughput": _per_second(prompt + output, duration),
+        "num_good_requests": good,
+        "goodput": _per_second(good, duration),
+    }
+    series = {
+        "ttft_s": [ttft(r) for r in records],
+        "tpot_s": [tpot(r) for r in records],
+        "itl_s": [gap for r in records for gap in itls(r)],
+        "e2e_s": [e2e(r) for r in records],
+        "queue_s": [queue_time(r) for r in records],
+    }
+    for name, values in series.items():
+        for stat, value in distribution(values).items():
+            metrics[f"{name}_{stat}"] = value
+    return metrics
+
+
+def _column(steps: Sequence[dict[str, Any]], name: str) -> list[float]:
+    return [float(s[name]) for s in steps if s.get(name) is not None and not _is_nan(s[name])]
+
+
+def _is_nan(value: Any) -> bool:
+    return isinstance(value, float) and math.isnan(value)
+
+
+def _total(steps: Sequence[dict[str, Any]], name: str) -> int | None:
+    values = _column(steps, name)
+    return int(sum(values)) if values else None
+
+
+def _peak(steps: Sequence[dict[str, Any]], name: str) -> int | None:
+    values = _column(steps, name)
+    return int(max(values)) if values else None
+
+
+def kv_used_reserved_ratio(steps: Sequence[dict[str, Any]]) -> float | None:
+    """Mean over steps (with any reservation) of used / reserved KV tokens: 1.0 = no waste."""
+    ratios = [
+        float(s["kv_used_tokens"]) / float(s["kv_reserved_tokens"])
+        for s in steps
+        if s.get("kv_used_tokens") is not None and not _is_nan(s.get("kv_reserved_tokens"))
+        and s.get("kv_reserved_tokens") and float(s["kv_reserved_tokens"]) > 0
+    ]
+    return float(np.mean(ratios)) if ratios else None
+
+
+def step_metrics(steps: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Engine-side aggregates from per-step records (``None`` where an engine doesn't report a column).
+
+    ``prefix_hit_tokens`` is summed: each step record carries the hits of that step.
+    """
+    return {
+        "num_steps": len(steps),
+        "forward_passes": _total(steps, "forward_passes"),
+        "wasted_slots": _total(steps, "num_wasted_slots"),
+        "preemptions": _total(steps, "num_preempted"),
+        "prefix_hit_tokens": _total(steps, "prefix_hit_tokens"),
+        "prefill_tokens": _total(steps, "num_prefill_tokens"),
+        "decode_tokens": _total(steps, "num_decode_tokens"),
+        "peak_kv_used_tokens": _peak(steps, "kv_used_tokens"),
+        "peak_kv_reserved_tokens": _peak(steps, "kv_reserved_tokens"),
+        "kv_capacity_tokens": _peak(steps, "kv_capacity_tokens"),
+        "mean_kv_used_reserved_ratio": kv_used_reserved_ratio(steps),
+        "max_running_seqs": _peak(steps, "num_running"),
+        "max_batch_seqs": _peak(steps, "num_seqs"),
+        "step_time_s_mean": distribution(_column(steps, "duration_s"))["mean"],
+    }

@@ -1,0 +1,84 @@
+"""Engine-agnostic per-request records: what every engine (servelab or a peer) reports.
+
+All times are seconds relative to the run start (the driver's ``t0`` on the engine clock), so
+``requests.csv`` is readable and runs are comparable. Conversion from an engine's
+``RequestOutput`` (or a peer's look-alike) happens once, here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class RequestRecord:
+    """One finished request, as measured by the driver and the engine.
+
+    Attributes:
+        request_id: the workload's name for the request (``req-0003``).
+        engine_request_id: the id the engine returned from ``add_request``.
+        prompt_tokens: prompt length.
+        output_tokens: generated tokens.
+        arrival_s: when the request arrived (its workload arrival offset).
+        submit_s: when the driver handed it to the engine (later than arrival when the
+            client-side concurrency cap made it wait).
+        first_scheduled_s: when the engine first computed any of its tokens (None if unknown).
+        first_token_s: when its first generated token was available.
+        finish_s: when its last token was available.
+        token_times_s: the time of every generated token (len == output_tokens).
+        num_cached_tokens: prompt tokens served by a prefix-cache hit.
+        num_preemptions: times the request was preempted (and recomputed).
+        finish_reason: ``length`` or ``stop``.
+        output_token_ids: the generated token ids.
+    """
+
+    request_id: str
+    engine_request_id: str
+    prompt_tokens: int
+    output_tokens: int
+    arrival_s: float
+    submit_s: float
+    first_scheduled_s: float | None
+    first_token_s: float
+    finish_s: float
+    token_times_s: list[float] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+
+
+def _relative(value: float | None, t0: float) -> float | None:
+    return None if value is None else float(value) - t0
+
+
+def record_from_output(output: Any, request_id: str, submit_time: float, t0: float) -> RequestRecord:
+    """Build a record from a finished ``RequestOutput`` (see docs/CONTRACTS.md) or a peer's look-alike."""
+    token_times = [float(t) - t0 for t in (output.token_times or [])]
+    first_token = _relative(output.first_token_time, t0)
+    finish = _relative(output.finish_time, t0)
+    return RequestRecord(
+        request_id=request_id,
+        engine_request_id=str(output.request_id),
+        prompt_tokens=len(output.prompt_token_ids),
+        output_tokens=len(output.token_ids),
+        arrival_s=float(output.arrival_time) - t0,
+        submit_s=submit_time - t0,
+        first_scheduled_s=_relative(getattr(output, "first_scheduled_time", None), t0),
+        first_token_s=first_token if first_token is not None else finish,
+        finish_s=finish,
+        token_times_s=token_times,
+        num_cached_tokens=int(getattr(output, "num_cached_tokens", 0) or 0),
+        num_preemptions=int(getattr(output, "num_preemptions", 0) or 0),
+        finish_reason=getattr(output, "finish_reason", None),
+        output_token_ids=list(output.token_ids),
+    )
+
+
+def step_to_dict(step: Any) -> dict[str, Any]:
+    """A ``StepRecord`` (dataclass or plain object) as a flat dict."""
+    if isinstance(step, dict):
+        return dict(step)
+    if hasattr(step, "__dataclass_fields__"):
+        return {name: getattr(step, name) for name in step.__dataclass_fields__}
+    return dict(vars(step))

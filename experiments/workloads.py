@@ -1,0 +1,199 @@
+"""Seeded, reproducible request streams.
+
+Every generator returns a list of :class:`WorkloadRequest` sorted by arrival offset. Prompts
+are random token ids drawn from ``[0, vocab_size)`` minus the model's special ids (BOS, EOS,
+PAD), so no prompt ends early or looks like a document boundary; generated text is meaningless
+and benchmarks run with ``ignore_eos`` so every request produces exactly ``max_tokens`` tokens.
+
+The same ``(parameters, seed, vocab_size, special ids)`` always gives the same requests, so two
+engines fed the same workload see byte-identical prompts.
+
+Generators are picked by ``conf/workload/*.yaml`` through ``_target_`` and called as
+``hydra.utils.instantiate(cfg.workload, vocab_size=..., special_token_ids=...)``.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class WorkloadRequest:
+    """One request of a workload.
+
+    Attributes:
+        request_id: stable name within the workload (``"req-0007"``), kept in every result file.
+        prompt_token_ids: the prompt.
+        sampling_params: how it is generated (greedy, ``ignore_eos`` by default).
+        arrival_offset_s: when the request arrives, in seconds after the run starts.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_offset_s: float = 0.0
+
+
+class TokenSampler:
+    """Draws random prompt token ids that avoid special ids, from one seeded generator."""
+
+    def __init__(self, vocab_size: int, special_token_ids: Iterable[int], seed: int) -> None:
+        special = {int(t) for t in special_token_ids if t is not None and 0 <= int(t) < vocab_size}
+        self.allowed = np.array(sorted(set(range(vocab_size)) - special), dtype=np.int64)
+        if self.allowed.size == 0:
+            raise ValueError("every token id of the vocabulary is special")
+        self.rng = np.random.default_rng(seed)
+
+    def tokens(self, length: int) -> list[int]:
+        return self.allowed[self.rng.integers(0, self.allowed.size, size=length)].tolist()
+
+    def integer(self, low: int, high: int) -> int:
+        """A uniform integer in ``[low, high]`` (both inclusive)."""
+        return int(self.rng.integers(low, high + 1))
+
+
+def _params(max_tokens: int, ignore_eos: bool, temperature: float) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, temperature=temperature)
+
+
+def _name(index: int) -> str:
+    return f"req-{index:04d}"
+
+
+def four_prompts(
+    vocab_size: int,
+    special_token_ids: Sequence[int] = (),
+    seed: int = 0,
+    prompt_len: int = 8,
+    short_max_tokens: int = 4,
+    long_max_tokens: int = 48,
+    ignore_eos: bool = True,
+    temperature: float = 0.0,
+) -> list[WorkloadRequest]:
+    """Three short answers and one long one, all at t=0 (pico-vllm's naive-vs-continuous case).
+
+    In one static batch the three short requests finish early and keep occupying their slots
+    until the long one is done: ``3 * (long_max_tokens - short_max_tokens)`` wasted slots.
+    """
+    sampler = TokenSampler(vocab_size, special_token_ids, seed)
+    max_tokens = [short_max_tokens] * 3 + [long_max_tokens]
+    return [
+        WorkloadRequest(_name(i), sampler.tokens(prompt_len), _params(n, ignore_eos, temperature))
+        for i, n in enumerate(max_tokens)
+    ]
+
+
+def burst(
+    vocab_size: int,
+    special_token_ids: Sequence[int] = (),
+    seed: int = 0,
+    concurrency: int = 8,
+    requests_per_slot: int = 2,
+    min_prompt_len: int = 16,
+    max_prompt_len: int = 128,
+    min_max_tokens: int = 8,
+    max_max_tokens: int = 64,
+    ignore_eos: bool = True,
+    temperature: float = 0.0,
+) -> list[WorkloadRequest]:
+    """``requests_per_slot * concurrency`` requests at t=0 with uneven prompts and lengths (mini-vllm's benchmark).
+
+    Prompt lengths and ``max_tokens`` are uniform integers in their (inclusive) ranges.
+    """
+    sampler = TokenSampler(vocab_size, special_token_ids, seed)
+    requests = []
+    for i in range(requests_per_slot * concurrency):
+        prompt = sampler.tokens(sampler.integer(min_prompt_len, max_prompt_len))
+        max_tokens = sampler.integer(min_max_tokens, max_max_tokens)
+        requests.append(WorkloadRequest(_name(i), prompt, _params(max_tokens, ignore_eos, temperature)))
+    return requests
+
+
+def gamma_arrival_offsets(num_requests: int, rate: float, burstiness: float, rng: np.random.Generator) -> list[float]:
+    """Arrival offsets like vLLM's ``benchmark_serving``: the first request at t=0, then
+    inter-arrival gaps ~ Gamma(shape=burstiness, scale=1/(rate*burstiness)) — mean 1/rate;
+    burstiness 1 is a Poisson process, < 1 burstier, > 1 more regular. ``rate=inf`` sends all at t=0.
+    """
+    if rate <= 0 or burstiness <= 0:
+        raise ValueError(f"rate and burstiness must be > 0, got {rate}, {burstiness}")
+    if np.isinf(rate):
+        return [0.0] * num_requests
+    gaps = rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=max(num_requests - 1, 0))
+    return [0.0, *np.cumsum(gaps).tolist()][:num_requests]
+
+
+def poisson(
+    vocab_size: int,
+    special_token_ids: Sequence[int] = (),
+    seed: int = 0,
+    num_requests: int = 32,
+    rate: float = 2.0,
+    burstiness: float = 1.0,
+    min_prompt_len: int = 16,
+    max_prompt_len: int = 128,
+    min_max_tokens: int = 8,
+    max_max_tokens: int = 64,
+    ignore_eos: bool = True,
+    temperature: float = 0.0,
+) -> list[WorkloadRequest]:
+    """Open-loop arrivals at ``rate`` req/s with gamma ``burstiness`` (see :func:`gamma_arrival_offsets`)."""
+    sampler = TokenSampler(vocab_size, special_token_ids, seed)
+    offsets = gamma_arrival_offsets(num_requests, rate, burstiness, np.random.default_rng([seed, 1]))
+    requests = []
+    for i, offset in enumerate(offsets):
+        prompt = sampler.tokens(sampler.integer(min_prompt_len, max_prompt_len))
+        max_tokens = sampler.integer(min_max_tokens, max_max_tokens)
+        requests.append(WorkloadRequest(_name(i), prompt, _params(max_tokens, ignore_eos, temperature), offset))
+    return requests
+
+
+def shared_prefix(
+    vocab_size: int,
+    special_token_ids: Sequence[int] = (),
+    seed: int = 0,
+    num_users: int = 8,
+    prefix_len: int = 500,
+    min_question_len: int = 8,
+    max_question_len: int = 32,
+    max_tokens: int = 16,
+    arrival_interval_s: float = 0.0,
+    ignore_eos: bool = True,
+    temperature: float = 0.0,
+) -> list[WorkloadRequest]:
+    """One ``prefix_len``-token system prompt shared by every user plus a short question each
+    (nano-vLLM's prefix-caching case). Users arrive ``arrival_interval_s`` apart (0 = together),
+    so later users can hit blocks the first one published.
+    """
+    sampler = TokenSampler(vocab_size, special_token_ids, seed)
+    system_prompt = sampler.tokens(prefix_len)
+    return [
+        WorkloadRequest(
+            _name(i),
+            system_prompt + sampler.tokens(sampler.integer(min_question_len, max_question_len)),
+            _params(max_tokens, ignore_eos, temperature),
+            i * arrival_interval_s,
+        )
+        for i in range(num_users)
+    ]
+
+
+def long_context(
+    vocab_size: int,
+    special_token_ids: Sequence[int] = (),
+    seed: int = 0,
+    num_users: int = 4,
+    context_len: int = 1024,
+    max_tokens: int = 32,
+    ignore_eos: bool = True,
+    temperature: float = 0.0,
+) -> list[WorkloadRequest]:
+    """A few users with long contexts, all at t=0: decode cost per 1,000 context tokens."""
+    sampler = TokenSampler(vocab_size, special_token_ids, seed)
+    return [
+        WorkloadRequest(_name(i), sampler.tokens(context_len), _params(max_tokens, ignore_eos, temperature))
+        for i in range(num_users)
+    ]

@@ -1,0 +1,152 @@
+"""Continuous (iteration-level) batching, as introduced by Orca.
+
+The batch is re-decided every step: running sequences each get their next token (or their next
+prefill chunk), then waiting requests are admitted while a slot (``max_num_seqs``), the token
+budget (``max_num_batched_tokens``) and KV memory allow. A sequence that finishes leaves in the
+same step and its memory is reused by the next admission. This scheduler reserves a request's
+worst case (prompt + max_tokens) at admission, so a running sequence never runs out of memory;
+:mod:`strategies.scheduler.preemptive` reserves less and preempts instead.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+from engine.sequence import Sequence, SequenceStatus
+from strategies.cache.base import KVCacheStrategy
+from strategies.scheduler.base import ScheduledSequence, SchedulerOutput
+
+
+class ContinuousScheduler:
+    """Iteration-level scheduler with worst-case reservation at admission.
+
+    Args:
+        cache: the KV-cache strategy that hands out memory.
+        max_model_len: longest sequence (prompt + output) the model accepts.
+        max_num_seqs: most sequences running at once (batch slots).
+        max_num_batched_tokens: most tokens computed in one step; ``None`` means
+            ``max_model_len`` (any valid prompt fits in one step).
+        chunked_prefill: split prompts longer than the remaining token budget across steps,
+            so decode tokens and prefill chunks share one forward pass.
+        policy: queue order; only ``"fcfs"`` (first come, first served) is implemented.
+    """
+
+    def __init__(
+        self,
+        cache: KVCacheStrategy,
+        max_model_len: int,
+        max_num_seqs: int = 32,
+        max_num_batched_tokens: int | None = None,
+        chunked_prefill: bool = False,
+        policy: str = "fcfs",
+    ) -> None:
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        if policy != "fcfs":
+            raise ValueError(f"unknown scheduling policy {policy!r}; supported: 'fcfs'")
+        self.cache = cache
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens or max_model_len
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+        self.chunked_prefill = chunked_prefill
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order: oldest first
+
+    # -- queue -----------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        if not self.chunked_prefill and seq.num_prompt_tokens > self.max_num_batched_tokens:
+            raise ValueError(
+                f"prompt of {seq.num_prompt_tokens} tokens exceeds max_num_batched_tokens="
+                f"{self.max_num_batched_tokens}; raise it or enable chunked_prefill"
+            )
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- policy hooks (overridden by the preemptive scheduler) --------------------------------
+    def admission_reservation(self, seq: Sequence, num_tokens_this_step: int) -> int:
+        """Tokens to reserve when admitting ``seq``: its worst case, so it never runs dry."""
+        return seq.max_total_tokens
+
+    def make_room(self, seq: Sequence, num_tokens: int, output: SchedulerOutput) -> bool:
+        """Ensure ``seq`` can hold ``num_tokens``; the reservation made at admission guarantees it."""
+        if not self.cache.grow(seq, num_tokens):
+            raise RuntimeError(f"sequence {seq.seq_id} ran out of its reserved KV memory")
+        return True
+
+    # -- the step decision -----------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        output = SchedulerOutput()
+        token_budget = self.max_num_batched_tokens
+        self.schedule_running(output, token_budget - output.num_batched_tokens)
+        if not output.preempted:
+            self.admit_waiting(output, self.max_num_batched_tokens - output.num_batched_tokens)
+        output.num_waiting = len(self.waiting)
+        self.check_invariants(output)
+        return output
+
+    def schedule_running(self, output: SchedulerOutput, token_budget: int) -> None:
+        """Oldest first: each running sequence gets its next token or its next prefill chunk."""
+        index = 0
+        while index < len(self.running) and token_budget > 0:
+            seq = self.running[index]
+            num_new = min(seq.num_uncomputed_tokens, token_budget)
+            if num_new < seq.num_uncomputed_tokens and not self.chunked_prefill:
+                break
+            if self.make_room(seq, seq.num_computed_tokens + num_new, output):
+                output.scheduled.append(ScheduledSequence(seq, num_new))
+                token_budget -= num_new
+                index += 1
+            # else: make_room preempted ``seq`` itself, which left ``self.running``.
+
+    def admit_waiting(self, output: SchedulerOutput, token_budget: int) -> None:
+        """First come, first served: stop at the first request that does not fit."""
+        while self.waiting and len(self.running) < self.max_num_seqs and token_budget > 0:
+            seq = self.waiting[0]
+            num_cached = self.cache.num_cached_prefix_tokens(seq)
+            num_new = seq.num_tokens - num_cached
+            if num_new > token_budget:
+                if not self.chunked_prefill:
+                    break
+                num_new = token_budget
+            if not self.cache.admit(seq, self.admission_reservation(seq, num_cached + num_new)):
+                break
+            assert seq.num_computed_tokens == num_cached, "cache applied a different prefix hit than it reported"
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            output.scheduled.append(ScheduledSequence(seq, num_new))
+            token_budget -= num_new
+
+    def retire(self, finished: list[Sequence]) -> None:
+        for seq in finished:
+            self.running.remove(seq)
+            self.cache.free(seq)
+
+    # -- invariants (checked at the end of every schedule(), like vLLM) ----------------------
+    def check_invariants(self, output: SchedulerOutput) -> None:
+        assert len(self.running) <= self.max_num_seqs, "more running sequences than slots"
+        assert output.num_batched_tokens <= self.max_num_batched_tokens, "token budget exceeded"
+        scheduled_ids = [item.seq.seq_id for item in output.scheduled]
+        assert len(scheduled_ids) == len(set(scheduled_ids)), "a sequence is scheduled twice"
+        block_size = self.cache.block_size
+        for item in output.scheduled:
+            seq = item.seq
+            expected = SequenceStatus.FINISHED if item.is_padding else SequenceStatus.RUNNING
+            assert seq.status is expected, f"scheduled sequence {seq.seq_id} is {seq.status}"
+            end = seq.num_tokens if item.is_padding else seq.num_computed_tokens + item.num_new_tokens
+            assert 0 < item.num_new_tokens and end <= seq.num_tokens, "scheduled past the sequence's tokens"
+            assert end <= len(seq.block_table) * block_size, f"sequence {seq.seq_id} has no KV room for its tokens"
+        for seq in output.preempted:
+            assert seq.seq_id not in scheduled_ids and not seq.block_table, "a preempted sequence kept memory"

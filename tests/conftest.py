@@ -1,0 +1,67 @@
+"""Shared fixtures: tiny random HF checkpoints built once per test session, and an HF loader.
+
+``SERVELAB_CACHE`` points at a throwaway folder so no test writes into the user's cache.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+
+if "SERVELAB_CACHE" not in os.environ:
+    _cache = tempfile.mkdtemp(prefix="servelab-test-cache-")
+    os.environ["SERVELAB_CACHE"] = _cache
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+
+from engine.loader import build_random_checkpoint  # noqa: E402  (after SERVELAB_CACHE is set)
+
+TINY_LLAMA = {  # GQA (4 query heads on 2 KV heads), tied embeddings
+    "model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 256,
+    "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
+}
+TINY_QWEN2 = {  # q/k/v bias, tied embeddings, large rope_theta
+    "model_type": "qwen2", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 96,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 256,
+    "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": [2, 3],
+}
+ODD_LLAMA = {  # head_dim != hidden/heads, 6 query heads on 3 KV heads, untied, q/k/v/o bias
+    "model_type": "llama", "vocab_size": 300, "hidden_size": 96, "intermediate_size": 80,
+    "num_hidden_layers": 3, "num_attention_heads": 6, "num_key_value_heads": 3, "head_dim": 32,
+    "rms_norm_eps": 1e-6, "rope_theta": 500000.0, "max_position_embeddings": 256,
+    "tie_word_embeddings": False, "attention_bias": True, "bos_token_id": 1, "eos_token_id": 2,
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_random_checkpoint(TINY_LLAMA, tmp_path_factory.mktemp("tiny_llama"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_random_checkpoint(TINY_QWEN2, tmp_path_factory.mktemp("tiny_qwen2"), seed=1)
+
+
+@pytest.fixture(scope="session")
+def odd_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_random_checkpoint(ODD_LLAMA, tmp_path_factory.mktemp("odd_llama"), seed=2)
+
+
+@pytest.fixture(scope="session")
+def hf_model() -> Callable[[Path], torch.nn.Module]:
+    """``hf_model(path)``: the HF ``AutoModelForCausalLM`` for a checkpoint, float32, eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    def load(path: Path) -> torch.nn.Module:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+    return load

@@ -1,0 +1,248 @@
+"""Every attention backend against a naive per-sequence reference, on shuffled paged caches.
+
+Caches are filled with NaN everywhere except the cached context, so any read outside a
+sequence's context (padding, stale slots, other sequences' blocks) shows up as NaN in the
+output. The Triton backend runs under Triton's CPU interpreter: a private copy of its module
+is imported with ``TRITON_INTERPRET=1`` set (triton decides at ``@triton.jit`` time), and the
+variable is restored afterwards so nothing else in the test session sees it.
+"""
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engine.attention_metadata import AttentionMetadata
+from strategies.attention.base import AttentionBackend
+from strategies.attention.eager import EagerBackend
+from strategies.attention.torch_sdpa import TorchSDPABackend
+
+TRITON_PAGED_PY = Path(__file__).resolve().parents[1] / "strategies/attention/triton_paged.py"
+
+# (tokens already cached, new tokens this step) per sequence
+MIXED = [(0, 7), (9, 1), (13, 5), (0, 1), (30, 1), (5, 3)]  # prefill, decode, chunk-with-context
+DECODE = [(3, 1), (17, 1), (0, 1), (31, 1)]
+HEADS = [(4, 2), (2, 2), (6, 2)]  # (num_heads, num_kv_heads): GQA, MHA, group of 3
+
+
+@dataclass
+class Step:
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    metadata: AttentionMetadata
+    scale: float
+
+
+def make_step(
+    seqs: list[tuple[int, int]],
+    block_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> Step:
+    """Random step whose sequences own shuffled (non-contiguous) blocks of a NaN-filled cache."""
+    gen = torch.Generator().manual_seed(seed)
+    ctx = [c + q for c, q in seqs]
+    num_blocks_per_seq = [math.ceil(n / block_size) for n in ctx]
+    num_blocks = sum(num_blocks_per_seq) + 3  # a few blocks nobody owns
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, used = [], 0
+    for n in num_blocks_per_seq:
+        tables.append(perm[used : used + n])
+        used += n
+    max_blocks = max(num_blocks_per_seq)
+    block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32)
+
+    def slot(i: int, t: int) -> int:
+        return tables[i][t // block_size] * block_size + t % block_size
+
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype)
+    for i, (cached, _) in enumerate(seqs):
+        for t in range(cached):
+            k_cache.view(-1, num_kv_heads, head_dim)[slot(i, t)] = torch.randn(num_kv_heads, head_dim, generator=gen)
+            v_cache.view(-1, num_kv_heads, head_dim)[slot(i, t)] = torch.randn(num_kv_heads, head_dim, generator=gen)
+
+    query_lens = [q for _, q in seqs]
+    num_tokens = sum(query_lens)
+    slot_mapping = [slot(i, t) for i, (c, q) in enumerate(seqs) for t in range(c, c + q)]
+    metadata = AttentionMetadata(
+        query_start_loc=torch.tensor([0] + query_lens, dtype=torch.int32).cumsum(0).to(torch.int32),
+        query_lens=torch.tensor(query_lens, dtype=torch.int32),
+        context_lens=torch.tensor(ctx, dtype=torch.int32),
+        slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64),
+        block_tables=block_tables,
+        block_size=block_size,
+        max_query_len=max(query_lens),
+        max_context_len=max(ctx),
+    )
+    return Step(
+        query=torch.randn(num_tokens, num_heads, head_dim, generator=gen).to(dtype),
+        key=torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(dtype),
+        value=torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(dtype),
+        k_cache=k_cache,
+        v_cache=v_cache,
+        metadata=metadata,
+        scale=head_dim**-0.5,
+    )
+
+
+def reference(step: Step) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Naive float64 attention, one sequence and one head at a time: (out, k_cache, v_cache)."""
+    md = step.metadata
+    num_kv_heads, head_dim = step.k_cache.shape[-2:]
+    k_cache, v_cache = step.k_cache.clone(), step.v_cache.clone()
+    k_flat, v_flat = k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim)
+    for row, s in enumerate(md.slot_mapping.tolist()):
+        k_flat[s], v_flat[s] = step.key[row], step.value[row]
+
+    num_heads = step.query.shape[1]
+    group = num_heads // num_kv_heads
+    out = torch.zeros(step.query.shape, dtype=torch.float64)
+    for i in range(md.num_seqs):
+        start, ctx, q_len = int(md.query_start_loc[i]), int(md.context_lens[i]), int(md.query_lens[i])
+        table = md.block_tables[i].tolist()
+        slots = [table[t // md.block_size] * md.block_size + t % md.block_size for t in range(ctx)]
+        keys, values = k_flat[slots].double(), v_flat[slots].double()
+        for j in range(q_len):
+            pos = ctx - q_len + j
+            for h in range(num_heads):
+                q = step.query[start + j, h].double()
+                scores = keys[: pos + 1, h // group] @ q * step.scale
+                probs = torch.softmax(scores, dim=0)
+                out[start + j, h] = probs @ values[: pos + 1, h // group]
+    return out, k_cache, v_cache
+
+
+def check_backend(backend: AttentionBackend, step: Step, atol: float = 1e-5) -> None:
+    expected, k_expected, v_expected = reference(step)
+    out = backend.forward(
+        step.query, step.key, step.value, step.k_cache, step.v_cache, step.metadata, step.scale
+    )
+    assert out.shape == step.query.shape and out.dtype == step.query.dtype
+    torch.testing.assert_close(out.double(), expected, atol=atol, rtol=atol)
+    # new K/V landed in their slots and nothing else in the cache changed (NaNs included)
+    torch.testing.assert_close(step.k_cache, k_expected, atol=0, rtol=0, equal_nan=True)
+    torch.testing.assert_close(step.v_cache, v_expected, atol=0, rtol=0, equal_nan=True)
+
+
+# ---------------------------------------------------------------- gather backends (torch)
+
+GATHER_BACKENDS = [EagerBackend, TorchSDPABackend]
+
+
+@pytest.mark.parametrize("backend_cls", GATHER_BACKENDS)
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("seqs", [MIXED, DECODE], ids=["mixed", "decode"])
+def test_gather_backends_match_reference(backend_cls, block_size, heads, seqs) -> None:
+    check_backend(backend_cls(), make_step(seqs, block_size, *heads, head_dim=16))
+
+
+@pytest.mark.parametrize("backend_cls", GATHER_BACKENDS)
+def test_gather_backends_half_precision(backend_cls) -> None:
+    step = make_step(MIXED, 4, 4, 2, head_dim=16, dtype=torch.bfloat16)
+    check_backend(backend_cls(), step, atol=3e-2)
+
+
+seq_strategy = st.lists(st.tuples(st.integers(0, 40), st.integers(1, 9)), min_size=1, max_size=5)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seqs=seq_strategy,
+    decode_only=st.booleans(),
+    block_size=st.sampled_from([1, 3, 4, 16]),
+    heads=st.sampled_from(HEADS + [(4, 1)]),
+    head_dim=st.sampled_from([4, 8, 16]),
+    backend_cls=st.sampled_from(GATHER_BACKENDS),
+)
+def test_gather_backends_random_shapes(seqs, decode_only, block_size, heads, head_dim, backend_cls) -> None:
+    if decode_only:
+        seqs = [(cached, 1) for cached, _ in seqs]
+    check_backend(backend_cls(), make_step(seqs, block_size, *heads, head_dim=head_dim))
+
+
+# ---------------------------------------------------------------- triton (CPU interpreter)
+
+
+def load_triton_paged(module_name: str) -> ModuleType:
+    """A private, freshly executed copy of ``triton_paged`` (sys.modules is left untouched)."""
+    spec = importlib.util.spec_from_file_location(module_name, TRITON_PAGED_PY)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def interpreted_triton() -> Iterator[ModuleType]:
+    pytest.importorskip("triton", reason="triton not installed (pip install 'servelab[triton]')")
+    previous = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"  # kept while the interpreted kernel runs
+    try:
+        yield load_triton_paged("_triton_paged_interpreted")
+    finally:
+        if previous is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = previous
+
+
+@pytest.mark.parametrize(
+    "seqs, block_size, heads, head_dim",
+    [
+        (MIXED, 4, (4, 2), 16),
+        (MIXED, 16, (2, 2), 8),  # MHA, head_dim padded to 16 inside the kernel
+        (MIXED, 5, (6, 2), 16),  # block size not a power of two, group of 3
+        (DECODE, 4, (4, 2), 16),
+        (DECODE, 16, (6, 2), 8),
+        ([(40, 24)], 4, (4, 1), 16),  # long chunk with context: several query tiles and key tiles
+    ],
+    ids=["mixed-bs4-gqa", "mixed-bs16-mha", "mixed-bs5-g3", "decode-bs4", "decode-bs16-g3", "chunk"],
+)
+def test_triton_paged_matches_reference(interpreted_triton, seqs, block_size, heads, head_dim) -> None:
+    backend = interpreted_triton.TritonPagedBackend(block_m=16, block_n=16)
+    check_backend(backend, make_step(seqs, block_size, *heads, head_dim=head_dim))
+
+
+def test_triton_paged_half_precision(interpreted_triton) -> None:
+    step = make_step(MIXED, 4, 4, 2, head_dim=16, dtype=torch.float16)
+    check_backend(interpreted_triton.TritonPagedBackend(), step, atol=5e-3)
+
+
+def test_triton_paged_rejects_bad_tiles(interpreted_triton) -> None:
+    with pytest.raises(ValueError, match="block_n"):
+        interpreted_triton.TritonPagedBackend(block_n=24)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a CUDA machine the kernel runs natively")
+def test_triton_paged_without_interpreter_says_what_to_set(monkeypatch) -> None:
+    pytest.importorskip("triton", reason="triton not installed")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    module = load_triton_paged("_triton_paged_compiled")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        module.TritonPagedBackend()
+
+
+def test_triton_paged_imports_without_triton(monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "triton", None)  # makes `import triton` raise ImportError
+    monkeypatch.setitem(sys.modules, "triton.language", None)
+    module = load_triton_paged("_triton_paged_missing")
+    with pytest.raises(ImportError, match="pip install"):
+        module.TritonPagedBackend()
