@@ -20,7 +20,7 @@ from omegaconf import DictConfig
 
 from engine.config import engine_config
 from engine.device import resolve_device, resolve_dtype
-from engine.loader import load_model, resolve_checkpoint
+from engine.loader import checkpoint_for_spec, load_model
 from engine.model_config import ModelConfig
 from engine.outputs import RequestOutput, StepRecord
 from engine.runner import ModelRunner
@@ -84,7 +84,7 @@ class LLM:
         self.config = cfg
         self.device = resolve_device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
-        checkpoint = resolve_checkpoint(cfg.model.get("path") or cfg.model.name, weights=cfg.model.weights)
+        checkpoint = checkpoint_for_spec(cfg.model)
         self.model, self.model_config = load_model(checkpoint, self.dtype, self.device)
         mc: ModelConfig = self.model_config
         self.cache = instantiate(cfg.cache)

@@ -25,6 +25,7 @@ from typing import Any, Mapping
 
 import torch
 import yaml
+from omegaconf import DictConfig, OmegaConf
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -60,14 +61,13 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device | str)
         if not n.endswith(_IGNORED_SUFFIXES) and not (n == "lm_head.weight" and config.tie_word_embeddings)
     )
     if missing or extra:
-        raise ValueError(f"checkpoint {path} does not match its config: missing tensors {missing[:8]}"
-                         f"{' ...' if len(missing) > 8 else ''}, unexpected tensors {extra[:8]}"
-                         f"{' ...' if len(extra) > 8 else ''}")
+        raise ValueError(f"checkpoint {path} does not match its config: "
+                         f"missing tensors {_preview(missing)}, unexpected tensors {_preview(extra)}")
     handles = {f: safe_open(f, framework="pt", device="cpu") for f in set(files.values())}
-    state = {
-        ours: torch.cat([handles[files[n]].get_tensor(n) for n in sources]).to(device=device, dtype=dtype)
-        for ours, sources in plan.items()
-    }
+    state = {}
+    for ours, sources in plan.items():
+        parts = [handles[files[n]].get_tensor(n) for n in sources]
+        state[ours] = (parts[0] if len(parts) == 1 else torch.cat(parts)).to(device=device, dtype=dtype)
     with torch.device("meta"):
         model = CausalLM(config)
     model.load_state_dict(state, strict=True, assign=True)
@@ -106,7 +106,8 @@ def model_spec(name: str) -> dict[str, Any]:
 
 
 def checkpoint_for_spec(spec: Mapping[str, Any], cache_dir: str | Path | None = None) -> Path:
-    """The checkpoint folder for a model spec (the dict of a ``conf/model`` YAML, e.g. ``cfg.model``)."""
+    """The checkpoint folder for a model spec (the dict of a ``conf/model`` YAML, or ``cfg.model``)."""
+    spec = _plain(spec)
     weights = spec.get("weights", "random")
     if weights == "random":
         return _cached_random_checkpoint(spec, cache_dir)
@@ -134,6 +135,7 @@ def build_random_checkpoint(hf_config: Mapping[str, Any], out_dir: str | Path, s
     The weights are stored in the config's ``torch_dtype``/``dtype`` (float32 if absent);
     the same ``(hf_config, seed)`` always gives the same tensors.
     """
+    hf_config = _plain(hf_config)
     config = ModelConfig.from_hf_config(hf_config)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -174,6 +176,17 @@ def _cached_random_checkpoint(spec: Mapping[str, Any], cache_dir: str | Path | N
         if not (final / "config.json").is_file():
             raise
     return final
+
+
+def _plain(mapping: Mapping[str, Any]) -> dict[str, Any]:
+    """A plain ``dict`` copy (Hydra's ``DictConfig`` included), safe to JSON-serialise."""
+    if isinstance(mapping, DictConfig):
+        return OmegaConf.to_container(mapping, resolve=True)
+    return dict(mapping)
+
+
+def _preview(names: list[str], limit: int = 8) -> str:
+    return str(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
 def _tensor_files(path: Path) -> dict[str, str]:

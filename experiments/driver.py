@@ -71,6 +71,7 @@ def drive(
     names: dict[Any, str] = {}
     submit_times: dict[Any, float] = {}
     records: dict[str, RequestRecord] = {}
+    first_step = len(engine.step_records)  # earlier records belong to the warm-up
     t0 = engine.clock()
     bar = tqdm(total=len(requests), desc="requests", unit="req", disable=not progress)
     try:
@@ -100,4 +101,12 @@ def drive(
         bar.close()
     wall = engine.clock() - t0
     ordered = [records[r.request_id] for r in requests if r.request_id in records]
-    return DriveResult(records=ordered, steps=_relative_steps(list(engine.step_records), t0), t0=t0, wall_s=wall)
+    return DriveResult(records=ordered, steps=_relative_steps(list(engine.step_records)[first_step:], t0), t0=t0, wall_s=wall)
+
+
+def warm_up(engine: ServingEngine, requests: Sequence[WorkloadRequest]) -> None:
+    """Run ``requests`` to completion untimed (first-call costs: allocator, kernels, thread pools)."""
+    for request in requests:
+        engine.add_request(request.prompt_token_ids, request.sampling_params)
+    while engine.has_unfinished():
+        engine.step()

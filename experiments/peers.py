@@ -1,6 +1,6 @@
 """Hugging Face baselines behind the driver's engine surface (see ``experiments.driver.ServingEngine``).
 
-Both load the very checkpoint servelab loads (``engine.loader.checkpoint_for_spec(cfg.model)``)
+Both load the very checkpoint servelab loads (``engine.loader.resolve_checkpoint``, as ``LLM.from_config`` does)
 with ``AutoModelForCausalLM`` and report :class:`engine.outputs.RequestOutput` records, so
 ``requests.csv`` and ``summary.json`` have the same columns for every engine.
 
@@ -31,10 +31,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from engine.device import resolve_device, resolve_dtype
-from engine.loader import checkpoint_for_spec
+from engine.loader import resolve_checkpoint
 from engine.model_config import ModelConfig
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -52,8 +52,8 @@ def load_hf_model(cfg: DictConfig, attn_implementation: str) -> tuple[Any, Model
     """The run's checkpoint as an HF model (eval, no grads, EOS stopping disabled)."""
     from transformers import AutoModelForCausalLM
 
-    spec = OmegaConf.to_container(cfg.model, resolve=True)
-    path = Path(checkpoint_for_spec(spec))
+    # Exactly the engine's lookup (engine.llm.LLM.build), so both load the same weights.
+    path = Path(resolve_checkpoint(cfg.model.get("path") or cfg.model.name, weights=cfg.model.weights))
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     torch.manual_seed(cfg.seed)

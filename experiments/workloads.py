@@ -56,6 +56,25 @@ class TokenSampler:
         return int(self.rng.integers(low, high + 1))
 
 
+def special_token_ids(model_config: object) -> list[int]:
+    """BOS / EOS / PAD ids of a model config (servelab's ``ModelConfig`` or an HF config)."""
+    ids: list[int] = []
+    for name in ("bos_token_id", "eos_token_id", "eos_token_ids", "pad_token_id"):
+        value = getattr(model_config, name, None)
+        if value is None:
+            continue
+        ids.extend(value if isinstance(value, (list, tuple)) else [value])
+    return sorted({int(i) for i in ids})
+
+
+def warmup_requests(vocab_size: int, special_ids: Sequence[int], count: int, prompt_len: int = 16) -> list[WorkloadRequest]:
+    """Short untimed requests that pay the engine's first-call costs before a measured run."""
+    sampler = TokenSampler(vocab_size, special_ids, seed=2**31 - 1)
+    return [
+        WorkloadRequest(f"warmup-{i}", sampler.tokens(prompt_len), _params(2, True, 0.0)) for i in range(count)
+    ]
+
+
 def _params(max_tokens: int, ignore_eos: bool, temperature: float) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, temperature=temperature)
 

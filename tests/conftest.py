@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import shutil
 import tempfile
@@ -18,6 +19,10 @@ if "SERVELAB_CACHE" not in os.environ:
     _cache = tempfile.mkdtemp(prefix="servelab-test-cache-")
     os.environ["SERVELAB_CACHE"] = _cache
     atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+
+if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+    # triton_paged runs on the CPU through Triton's interpreter; it must be set before triton is imported.
+    os.environ["TRITON_INTERPRET"] = "1"
 
 from engine.loader import build_random_checkpoint  # noqa: E402  (after SERVELAB_CACHE is set)
 
@@ -58,10 +63,22 @@ def odd_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def hf_model() -> Callable[[Path], torch.nn.Module]:
-    """``hf_model(path)``: the HF ``AutoModelForCausalLM`` for a checkpoint, float32, eval mode."""
+    """``hf_model(path)``: the HF ``AutoModelForCausalLM`` for a checkpoint, float32, eval mode.
+
+    Loaded once per path and shared: do not modify the returned model.
+    """
     from transformers import AutoModelForCausalLM
 
+    @functools.cache
     def load(path: Path) -> torch.nn.Module:
         return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
     return load
+
+
+@pytest.fixture(scope="session")
+def triton_available() -> bool:
+    """Whether the triton_paged backend can run here (on the CPU through TRITON_INTERPRET=1)."""
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -41,7 +42,8 @@ class NaiveAttention:
             start, end = int(metadata.query_start_loc[i]), int(metadata.query_start_loc[i + 1])
             ctx = int(metadata.context_lens[i])
             pos = torch.arange(ctx)
-            slots = metadata.block_tables[i, pos // metadata.block_size].long() * metadata.block_size + pos % metadata.block_size
+            block_size = metadata.block_size
+            slots = metadata.block_tables[i, pos // block_size].long() * block_size + pos % block_size
             k = flat_k[slots].repeat_interleave(group, dim=1).float()
             v = flat_v[slots].repeat_interleave(group, dim=1).float()
             scores = torch.einsum("qhd,khd->hqk", query[start:end].float(), k) * scale
@@ -76,9 +78,11 @@ def make_step(seqs: list[tuple[list[int], int]], max_len: int) -> tuple[torch.Te
     return torch.tensor(ids), torch.tensor(positions), metadata
 
 
-def empty_caches(config: ModelConfig, num_seqs: int, max_len: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def empty_caches(
+    config: ModelConfig, num_seqs: int, max_len: int, dtype: torch.dtype = torch.float32
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     shape = (num_seqs * -(-max_len // BLOCK_SIZE), BLOCK_SIZE, config.num_key_value_heads, config.head_dim)
-    return [(torch.zeros(shape), torch.zeros(shape)) for _ in range(config.num_hidden_layers)]
+    return [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(config.num_hidden_layers)]
 
 
 @torch.inference_mode()
@@ -86,7 +90,8 @@ def our_prefill_logits(model: CausalLM, prompts: list[list[int]]) -> torch.Tenso
     """Logits of every prompt token, all prompts in one flat varlen step."""
     max_len = max(map(len, prompts))
     ids, positions, metadata = make_step([(p, 0) for p in prompts], max_len)
-    hidden = model(ids, positions, empty_caches(model.config, len(prompts), max_len), metadata, NaiveAttention())
+    caches = empty_caches(model.config, len(prompts), max_len, model.embed_tokens.weight.dtype)
+    hidden = model(ids, positions, caches, metadata, NaiveAttention())
     return model.compute_logits(hidden)
 
 
@@ -193,8 +198,9 @@ def test_random_checkpoint_is_built_once(tmp_path: Path) -> None:
     assert resolve_checkpoint("tiny", cache_dir=tmp_path) == first
     assert (first / "model.safetensors").stat().st_mtime_ns == stamp
     assert resolve_checkpoint("tiny", cache_dir=tmp_path, seed=1) != first
+    assert checkpoint_for_spec(OmegaConf.create(model_spec("tiny")), tmp_path) == first  # Hydra's cfg.model
     assert first.parent == tmp_path / "checkpoints"
-    model, config = load_model(first, torch.float32, "cpu")
+    _, config = load_model(first, torch.float32, "cpu")
     assert config.vocab_size == 512 and config.max_model_len == 512
 
 

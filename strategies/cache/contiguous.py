@@ -30,11 +30,8 @@ from __future__ import annotations
 from bisect import bisect_left
 from typing import Literal
 
-import torch
-
 from engine.sequence import Sequence
-from strategies.cache.base import CacheStats, allocate_kv_tensors
-from strategies.cache.paged import used_and_reserved_tokens
+from strategies.cache.paged import PagedCache
 
 ReservePolicy = Literal["max_model_len", "request"]
 RESERVE_POLICIES: tuple[ReservePolicy, ...] = ("max_model_len", "request")
@@ -100,8 +97,11 @@ class FirstFitArena:
             raise AssertionError(f"leak: {self.num_blocks - self.num_free} blocks not free, free extents {self.free_extents[:8]}")
 
 
-class ContiguousCache:
+class ContiguousCache(PagedCache):
     """Naive KV cache: each admitted sequence reserves one contiguous region for its lifetime.
+
+    It is a paged cache whose allocator hands out one run of consecutive blocks per sequence,
+    sized at admission and never grown: tensors, block tables and stats are the paged cache's.
 
     Args:
         capacity_tokens: KV budget in tokens; the arena has ``capacity_tokens // block_size`` blocks.
@@ -121,16 +121,9 @@ class ContiguousCache:
     ) -> None:
         if reserve not in RESERVE_POLICIES:
             raise ValueError(f"reserve must be one of {RESERVE_POLICIES}, got {reserve!r}")
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
-        if capacity_tokens < block_size:
-            raise ValueError(f"capacity_tokens ({capacity_tokens}) must hold at least one block of {block_size} tokens")
+        super().__init__(block_size=block_size, capacity_tokens=capacity_tokens)
+        self.pool = FirstFitArena(self.num_blocks)  # replaces the paged free list
         self.reserve = reserve
-        self.block_size = block_size
-        self.num_blocks = capacity_tokens // block_size
-        self.pool = FirstFitArena(self.num_blocks)
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.live_seqs: dict[int, Sequence] = {}
         self.max_model_len: int | None = None
         if max_model_len is not None:
             self.bind_model_limits(max_model_len)
@@ -144,38 +137,24 @@ class ContiguousCache:
             if max_model_len < 1:
                 raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
             self.max_model_len = max_model_len
-        capacity = self.num_blocks * self.block_size
-        if self.reserve == "max_model_len" and self.max_model_len > capacity:
+        if self.reserve == "max_model_len" and self.blocks_for(self.max_model_len) > self.num_blocks:
             raise ValueError(
-                f"contiguous cache: capacity_tokens ({capacity}) cannot hold even one region of "
+                f"contiguous cache: capacity_tokens ({self.num_blocks * self.block_size} usable) cannot hold one region of "
                 f"max_model_len ({self.max_model_len}) tokens; raise cache.capacity_tokens, lower "
                 f"cache.max_model_len, or use reserve=request"
             )
 
+    def bound_max_model_len(self) -> int:
+        if self.max_model_len is None:
+            raise RuntimeError("reserve='max_model_len' needs max_model_len: pass it or call bind_model_limits()")
+        return self.max_model_len
+
     def region_tokens(self, seq: Sequence) -> int:
         """Tokens reserved for ``seq`` at admission (before rounding up to whole blocks)."""
-        if self.reserve == "request":
-            return seq.max_total_tokens
-        if self.max_model_len is None:
-            raise RuntimeError("reserve='max_model_len' needs max_model_len: pass it or call bind_model_limits()")
-        return self.max_model_len
-
-    def allocate_tensors(
-        self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
-    ) -> None:
-        self.kv_caches = allocate_kv_tensors(
-            num_layers, self.num_blocks, self.block_size, num_kv_heads, head_dim, dtype, device
-        )
+        return seq.max_total_tokens if self.reserve == "request" else self.bound_max_model_len()
 
     def max_tokens_per_seq(self) -> int:
-        if self.reserve == "request":
-            return self.num_blocks * self.block_size
-        if self.max_model_len is None:
-            raise RuntimeError("reserve='max_model_len' needs max_model_len: pass it or call bind_model_limits()")
-        return self.max_model_len
-
-    def num_cached_prefix_tokens(self, seq: Sequence) -> int:
-        return 0
+        return super().max_tokens_per_seq() if self.reserve == "request" else self.bound_max_model_len()
 
     def admit(self, seq: Sequence, num_tokens: int) -> bool:
         """Reserve ``seq``'s whole region now; ``num_tokens`` only has to fit inside it."""
@@ -186,7 +165,7 @@ class ContiguousCache:
             raise ValueError(
                 f"sequence {seq.seq_id} needs {num_tokens} tokens, more than its {self.reserve} region of {region_tokens}"
             )
-        length = -(-region_tokens // self.block_size)
+        length = self.blocks_for(region_tokens)
         start = self.pool.allocate(length)
         if start is None:
             return False
@@ -205,16 +184,3 @@ class ContiguousCache:
             raise RuntimeError(f"double free: sequence {seq.seq_id} holds no KV region")
         self.pool.release(seq.block_table[0], len(seq.block_table))
         seq.block_table = []
-
-    def on_tokens_computed(self, seq: Sequence) -> None:
-        return None
-
-    def stats(self) -> CacheStats:
-        used, reserved = used_and_reserved_tokens(self.live_seqs.values(), self.block_size)
-        return CacheStats(
-            used_tokens=used,
-            reserved_tokens=reserved,
-            capacity_tokens=self.num_blocks * self.block_size,
-            num_free_blocks=self.pool.num_free,
-            num_blocks=self.num_blocks,
-        )

@@ -71,7 +71,7 @@ class PagedCache:
     def free(self, seq: Sequence) -> None:
         if self.live_seqs.pop(seq.seq_id, None) is None:
             raise RuntimeError(f"double free: sequence {seq.seq_id} holds no KV blocks")
-        for block in seq.block_table:
+        for block in reversed(seq.block_table):  # tail first: a prefix cache then evicts chains from their end
             self.pool.release(block)
         seq.block_table = []
 

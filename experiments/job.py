@@ -1,0 +1,103 @@
+"""One run, end to end: build the engine, drive the workload, write every result file.
+
+``run.py`` is the Hydra entry point around :func:`execute`. A failure anywhere is caught,
+recorded in ``summary.json`` (``"status": "failed"``, the error and its traceback) and
+returned, so a multirun keeps going; ``run.py`` re-raises it for single runs.
+"""
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from experiments.driver import drive, warm_up
+from experiments.metrics import SLO, request_metrics, step_metrics
+from experiments.plots import plot_run
+from experiments.results import (
+    requests_frame, steps_frame, summary_markdown, summary_table, unique_path, write_csv, write_json,
+)
+from experiments.workloads import special_token_ids, warmup_requests
+
+log = logging.getLogger(__name__)
+LABEL_GROUPS = ("engine", "model", "cache", "scheduler", "attention", "workload")
+
+
+@dataclass
+class JobOutcome:
+    summary: dict[str, Any]
+    error: BaseException | None = None
+    files: list[Path] = field(default_factory=list)
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
+
+
+def run_labels(cfg: DictConfig, choices: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """What identifies a run in tables: group choices, the common swept knobs, the overrides."""
+    labels: dict[str, Any] = {group: choices.get(group) for group in LABEL_GROUPS}
+    labels["concurrency"] = OmegaConf.select(cfg, "workload.concurrency", default=None)
+    labels["block_size"] = OmegaConf.select(cfg, "cache.block_size", default=None)
+    labels["capacity_tokens"] = OmegaConf.select(cfg, "cache.capacity_tokens", default=None)
+    labels["max_num_seqs"] = OmegaConf.select(cfg, "scheduler.max_num_seqs", default=None)
+    labels["device"] = cfg.get("device")
+    labels["dtype"] = cfg.get("dtype")
+    labels["seed"] = cfg.get("seed")
+    labels["overrides"] = " ".join(overrides)
+    return labels
+
+
+def _measure(cfg: DictConfig, out_dir: Path, summary: dict[str, Any]) -> list[Path]:
+    files = [unique_path(out_dir / "config.yaml")]
+    OmegaConf.save(cfg, files[0], resolve=True)
+    slo = SLO(**OmegaConf.to_container(cfg.slo, resolve=True))
+    setup_start = time.perf_counter()
+    engine = instantiate(cfg.engine)(cfg)
+    try:
+        model_config = engine.model_config
+        special = special_token_ids(model_config)
+        requests = instantiate(cfg.workload, vocab_size=model_config.vocab_size, special_token_ids=special)
+        warm_up(engine, warmup_requests(model_config.vocab_size, special, cfg.driver.warmup_requests))
+        summary["setup_s"] = time.perf_counter() - setup_start
+        result = drive(engine, requests, cfg.driver.max_concurrency, progress=cfg.driver.progress)
+    finally:
+        close = getattr(engine, "close", None)
+        if close is not None:
+            close()
+    summary["wall_s"] = result.wall_s
+    summary["metrics"] = {**request_metrics(result.records, slo), **step_metrics(result.steps)}
+    request_table, step_table = requests_frame(result.records, slo), steps_frame(result.steps)
+    files.append(write_csv(request_table, out_dir / "requests.csv"))
+    files.append(write_csv(step_table, out_dir / "steps.csv"))
+    if cfg.get("plots", True):
+        files.extend(plot_run(request_table, step_table, out_dir))
+    return files
+
+
+def execute(cfg: DictConfig, out_dir: Path, choices: dict[str, Any], overrides: list[str]) -> JobOutcome:
+    """Run one configuration; never raises (the error is in the outcome and in summary.json)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    summary: dict[str, Any] = {"status": "ok", "error": None, "run": run_labels(cfg, choices, overrides),
+                               "slo": OmegaConf.to_container(cfg.slo, resolve=True) if "slo" in cfg else None,
+                               "metrics": {}}
+    error: BaseException | None = None
+    files: list[Path] = []
+    try:
+        files = _measure(cfg, out_dir, summary)
+    except Exception as exc:  # noqa: BLE001 -- recorded, then re-raised by run.py for single runs
+        error = exc
+        summary.update(status="failed", error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
+        log.error("run failed: %s", summary["error"])
+    summary["files"] = [p.name for p in files]
+    files.append(write_json(summary, out_dir / "summary.json"))
+    markdown = unique_path(out_dir / "summary.md")
+    markdown.write_text(summary_markdown(summary))
+    files.append(markdown)
+    print(f"\n{summary_table(summary)}\n\nresults: {out_dir}")
+    return JobOutcome(summary=summary, error=error, files=files)

@@ -1,0 +1,214 @@
+"""Aggregate a multirun into one table and comparison plots.
+
+    python -m experiments.report results/sweeps/<dir>
+
+Every job folder under the sweep (one with ``summary.json`` or a ``.hydra`` folder) becomes one
+row of ``report.csv`` / ``report.md``: its status, its swept overrides as columns, the run labels
+(engine, cache, scheduler, attention, concurrency, block_size...) and every summary metric. A job
+that crashed before writing ``summary.json`` is listed as failed. Plots (when their axis varies):
+output tok/s and TTFT p50/p99 vs concurrency per strategy, TTFT CDF, KV usage over time,
+block-size sweep.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+import yaml  # noqa: E402
+
+from experiments.results import unique_path  # noqa: E402
+
+LABEL_COLUMNS = ["engine", "model", "cache", "scheduler", "attention", "workload", "concurrency", "block_size",
+                 "capacity_tokens", "max_num_seqs", "dtype", "seed"]
+MARKDOWN_METRICS = ["output_throughput", "request_throughput", "ttft_s_p50", "ttft_s_p99", "tpot_s_mean",
+                    "e2e_s_p50", "goodput", "wasted_slots", "forward_passes", "preemptions", "prefix_hit_tokens",
+                    "mean_kv_used_reserved_ratio"]
+
+
+def job_dirs(root: Path) -> list[Path]:
+    """Folders holding one job each: they have a summary.json or a .hydra folder."""
+    found = {p.parent for p in root.rglob("summary.json")} | {p.parent for p in root.rglob(".hydra")}
+    return sorted(found, key=lambda p: [int(part) if part.isdigit() else part for part in p.relative_to(root).parts])
+
+
+def parse_overrides(job: Path) -> dict[str, str]:
+    """``.hydra/overrides.yaml`` as ``{key: value}`` (``+``/``~``/``++`` prefixes dropped)."""
+    file = job / ".hydra" / "overrides.yaml"
+    if not file.is_file():
+        return {}
+    pairs = {}
+    for item in yaml.safe_load(file.read_text()) or []:
+        key, _, value = str(item).partition("=")
+        pairs[key.lstrip("+~")] = value
+    return pairs
+
+
+def job_row(root: Path, job: Path) -> dict[str, Any]:
+    row: dict[str, Any] = {"job": str(job.relative_to(root)) or "."}
+    overrides = parse_overrides(job)
+    summary_file = job / "summary.json"
+    if summary_file.is_file():
+        summary = json.loads(summary_file.read_text())
+        row.update(status=summary.get("status"), error=summary.get("error"))
+        row.update({k: v for k, v in summary.get("run", {}).items() if k != "overrides"})
+        row.update(summary.get("metrics", {}))
+    else:
+        row.update(status="failed", error="no summary.json: the job died before writing it")
+    row.update({f"override:{k}": v for k, v in overrides.items()})
+    return row
+
+
+def collect(root: Path) -> pd.DataFrame:
+    rows = [job_row(root, job) for job in job_dirs(root)]
+    if not rows:
+        raise FileNotFoundError(f"no job folders (summary.json or .hydra/) under {root}")
+    return pd.DataFrame(rows)
+
+
+def varying(frame: pd.DataFrame, candidates: Sequence[str]) -> list[str]:
+    """Candidate columns that take more than one value across runs."""
+    return [c for c in candidates if c in frame and frame[c].astype(str).nunique() > 1]
+
+
+def axis_columns(frame: pd.DataFrame) -> list[str]:
+    """Columns that distinguish runs: varying labels, then varying overrides not already covered."""
+    labels = varying(frame, LABEL_COLUMNS)
+    overrides = [c for c in frame.columns if c.startswith("override:")]
+    covered = {f"override:{c}" for c in labels} | {"override:workload.concurrency", "override:cache.block_size"}
+    return labels + [c for c in varying(frame, overrides) if c not in covered]
+
+
+def strategy_label(row: pd.Series, columns: Sequence[str]) -> str:
+    return " / ".join(f"{c.removeprefix('override:')}={row[c]}" for c in columns) or "run"
+
+
+def _fmt(value: Any) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return ""
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def markdown_table(frame: pd.DataFrame, columns: Sequence[str]) -> str:
+    columns = [c for c in columns if c in frame]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(_fmt(row[c]) for c in columns) + " |" for _, row in frame.iterrows()]
+    return "\n".join(lines)
+
+
+def _save(fig: plt.Figure, path: Path) -> Path:
+    path = unique_path(path)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_vs(frame: pd.DataFrame, x: str, metrics: Sequence[tuple[str, str]], path: Path, groups: Sequence[str]) -> Path | None:
+    """One subplot per metric, one line per strategy (the other varying columns), x on the axis."""
+    ok = frame[frame["status"] == "ok"].dropna(subset=[x])
+    if ok[x].nunique() < 2:
+        return None
+    fig, axes = plt.subplots(1, len(metrics), figsize=(5 * len(metrics), 3.8), squeeze=False)
+    for ax, (metric, label) in zip(axes[0], metrics):
+        for name, part in ok.groupby(ok.apply(lambda r: strategy_label(r, groups), axis=1)):
+            part = part.sort_values(x)
+            ax.plot(part[x], part[metric], marker="o", label=name)
+        ax.set(xlabel=x, ylabel=label)
+        if x == "concurrency" or x == "block_size":
+            ax.set_xscale("log", base=2)
+        ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
+def plot_ttft_cdf(root: Path, frame: pd.DataFrame, path: Path, groups: Sequence[str]) -> Path | None:
+    fig, ax = plt.subplots(figsize=(6, 4))
+    drawn = 0
+    for _, row in frame[frame["status"] == "ok"].iterrows():
+        file = root / row["job"] / "requests.csv"
+        if not file.is_file():
+            continue
+        values = np.sort(pd.read_csv(file)["ttft_s"].dropna().to_numpy())
+        if values.size:
+            ax.step(values, np.arange(1, values.size + 1) / values.size, where="post",
+                    label=f"{row['job']}: {strategy_label(row, groups)}")
+            drawn += 1
+    if not drawn:
+        plt.close(fig)
+        return None
+    ax.set(xlabel="TTFT (s)", ylabel="fraction of requests", title="TTFT CDF", ylim=(0, 1.02))
+    ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
+def plot_kv_over_time(root: Path, frame: pd.DataFrame, path: Path, groups: Sequence[str]) -> Path | None:
+    fig, ax = plt.subplots(figsize=(7, 4))
+    drawn = 0
+    for _, row in frame[frame["status"] == "ok"].iterrows():
+        file = root / row["job"] / "steps.csv"
+        if not file.is_file():
+            continue
+        steps = pd.read_csv(file)
+        if steps.empty or steps["kv_used_tokens"].isna().all():
+            continue
+        line = ax.step(steps["end_time"], steps["kv_used_tokens"], where="post",
+                       label=f"{row['job']}: {strategy_label(row, groups)} used")[0]
+        if steps["kv_reserved_tokens"].notna().any():
+            ax.step(steps["end_time"], steps["kv_reserved_tokens"], where="post", linestyle="--", color=line.get_color())
+        drawn += 1
+    if not drawn:
+        plt.close(fig)
+        return None
+    ax.set(xlabel="time since run start (s)", ylabel="KV tokens", title="KV used (solid) / reserved (dashed)")
+    ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
+def write_report(root: Path) -> list[Path]:
+    frame = collect(root)
+    axes = axis_columns(frame)
+    written = [unique_path(root / "report.csv")]
+    frame.to_csv(written[0], index=False)
+    headline = ["job", "status", *axes, *MARKDOWN_METRICS, "error"]
+    md = [f"# servelab report: {root}", "", f"{len(frame)} runs, {int((frame['status'] != 'ok').sum())} failed.", "",
+          markdown_table(frame, headline), ""]
+    written.append(unique_path(root / "report.md"))
+    written[-1].write_text("\n".join(md))
+    not_x = lambda x: [c for c in axes if c not in (x, f"override:{x}")]  # noqa: E731
+    plots = [
+        plot_vs(frame, "concurrency", [("output_throughput", "output tok/s")], root / "throughput_vs_concurrency.png",
+                not_x("concurrency")),
+        plot_vs(frame, "concurrency", [("ttft_s_p50", "TTFT p50 (s)"), ("ttft_s_p99", "TTFT p99 (s)")],
+                root / "ttft_vs_concurrency.png", not_x("concurrency")),
+        plot_vs(frame, "block_size", [("output_throughput", "output tok/s"),
+                                      ("mean_kv_used_reserved_ratio", "mean KV used / reserved")],
+                root / "block_size_sweep.png", not_x("block_size")),
+        plot_ttft_cdf(root, frame, root / "ttft_cdf.png", axes),
+        plot_kv_over_time(root, frame, root / "kv_usage.png", axes),
+    ]
+    return written + [p for p in plots if p is not None]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("sweep_dir", type=Path, help="a multirun folder (results/sweeps/<time>) or a single run folder")
+    args = parser.parse_args(argv)
+    written = write_report(args.sweep_dir)
+    print(written[1].read_text())
+    print("\n".join(str(p) for p in written))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,130 @@
+"""Write one run's result files (requests.csv, steps.csv, summary.json, summary.md).
+
+Column lists live here and are documented in docs/results_columns.md. No file is ever
+overwritten silently: if a name is taken, a warning is logged and ``name_1.ext``,
+``name_2.ext``... is written instead.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from experiments.metrics import SLO, e2e, itls, meets_slo, queue_time, tpot, ttft
+from experiments.records import RequestRecord
+
+log = logging.getLogger(__name__)
+
+REQUEST_COLUMNS = [
+    "request_id", "engine_request_id", "prompt_tokens", "output_tokens",
+    "arrival_s", "submit_s", "first_scheduled_s", "first_token_s", "finish_s",
+    "queue_s", "ttft_s", "e2e_s", "tpot_s", "itl_mean_s", "itl_max_s",
+    "num_cached_tokens", "num_preemptions", "finish_reason", "meets_slo", "output_token_ids",
+]
+STEP_COLUMNS = [
+    "step", "start_time", "end_time", "duration_s", "num_seqs", "num_prefill_tokens", "num_decode_tokens",
+    "num_wasted_slots", "kv_used_tokens", "kv_reserved_tokens", "kv_capacity_tokens", "num_preempted",
+    "prefix_hit_tokens", "num_waiting", "num_running", "forward_passes",
+]
+
+
+def unique_path(path: Path) -> Path:
+    """``path`` if free, else the first free ``stem_<n>suffix`` (with a warning)."""
+    if not path.exists():
+        return path
+    n = 1
+    while (candidate := path.with_name(f"{path.stem}_{n}{path.suffix}")).exists():
+        n += 1
+    log.warning("%s exists; writing %s instead", path, candidate.name)
+    return candidate
+
+
+def requests_frame(records: Sequence[RequestRecord], slo: SLO) -> pd.DataFrame:
+    rows = []
+    for r in records:
+        gaps = itls(r)
+        rows.append({
+            "request_id": r.request_id, "engine_request_id": r.engine_request_id,
+            "prompt_tokens": r.prompt_tokens, "output_tokens": r.output_tokens,
+            "arrival_s": r.arrival_s, "submit_s": r.submit_s, "first_scheduled_s": r.first_scheduled_s,
+            "first_token_s": r.first_token_s, "finish_s": r.finish_s,
+            "queue_s": queue_time(r), "ttft_s": ttft(r), "e2e_s": e2e(r), "tpot_s": tpot(r),
+            "itl_mean_s": sum(gaps) / len(gaps) if gaps else None, "itl_max_s": max(gaps) if gaps else None,
+            "num_cached_tokens": r.num_cached_tokens, "num_preemptions": r.num_preemptions,
+            "finish_reason": r.finish_reason, "meets_slo": meets_slo(r, slo),
+            "output_token_ids": " ".join(map(str, r.output_token_ids)),
+        })
+    return pd.DataFrame(rows, columns=REQUEST_COLUMNS)
+
+
+def steps_frame(steps: Sequence[dict[str, Any]]) -> pd.DataFrame:
+    return pd.DataFrame([{c: s.get(c) for c in STEP_COLUMNS} for s in steps], columns=STEP_COLUMNS)
+
+
+def write_csv(frame: pd.DataFrame, path: Path) -> Path:
+    path = unique_path(path)
+    frame.to_csv(path, index=False)
+    return path
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    if isinstance(value, float) and (math.isnan(value) or math.isinf(value)):
+        return None
+    if hasattr(value, "item"):  # numpy scalars
+        return value.item()
+    return value
+
+
+def write_json(data: dict[str, Any], path: Path) -> Path:
+    path = unique_path(path)
+    path.write_text(json.dumps(_json_safe(data), indent=2) + "\n")
+    return path
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+SUMMARY_ROWS = [
+    ("status", "status"), ("requests", "num_requests"), ("duration (s)", "duration_s"),
+    ("request/s", "request_throughput"), ("output tok/s", "output_throughput"),
+    ("total tok/s", "total_token_throughput"), ("goodput (req/s)", "goodput"),
+    ("TTFT mean (s)", "ttft_s_mean"), ("TTFT p50 (s)", "ttft_s_p50"), ("TTFT p99 (s)", "ttft_s_p99"),
+    ("TPOT mean (s)", "tpot_s_mean"), ("TPOT p99 (s)", "tpot_s_p99"), ("ITL p50 (s)", "itl_s_p50"),
+    ("E2E p50 (s)", "e2e_s_p50"), ("E2E p99 (s)", "e2e_s_p99"),
+    ("forward passes", "forward_passes"), ("wasted slots", "wasted_slots"), ("preemptions", "preemptions"),
+    ("prefix hit tokens", "prefix_hit_tokens"), ("peak KV used (tok)", "peak_kv_used_tokens"),
+    ("peak KV reserved (tok)", "peak_kv_reserved_tokens"), ("mean KV used/reserved", "mean_kv_used_reserved_ratio"),
+    ("max running seqs", "max_running_seqs"),
+]
+
+
+def summary_table(summary: dict[str, Any]) -> str:
+    """The run's headline numbers as a two-column Markdown table."""
+    flat = {"status": summary.get("status"), **summary.get("metrics", {})}
+    lines = ["| metric | value |", "| --- | --- |"]
+    lines += [f"| {label} | {_fmt(flat.get(key))} |" for label, key in SUMMARY_ROWS if key in flat]
+    return "\n".join(lines)
+
+
+def summary_markdown(summary: dict[str, Any]) -> str:
+    run = summary.get("run", {})
+    title = " · ".join(f"{k}={v}" for k, v in run.items() if k in ("engine", "model", "cache", "scheduler", "attention", "workload"))
+    parts = [f"# servelab run: {title}", ""]
+    if summary.get("status") != "ok":
+        parts += [f"**FAILED**: `{summary.get('error')}`", ""]
+    parts += [summary_table(summary), ""]
+    return "\n".join(parts)

@@ -1,0 +1,84 @@
+"""Serving metrics against hand-computed values on synthetic timestamps."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from experiments.metrics import SLO, distribution, e2e, itls, meets_slo, request_metrics, step_metrics, tpot, ttft
+from experiments.records import RequestRecord
+
+
+def record(name: str, arrival: float, token_times: list[float], prompt: int = 10, scheduled: float | None = None) -> RequestRecord:
+    return RequestRecord(
+        request_id=name, engine_request_id=name, prompt_tokens=prompt, output_tokens=len(token_times),
+        arrival_s=arrival, submit_s=arrival, first_scheduled_s=scheduled, first_token_s=token_times[0],
+        finish_s=token_times[-1], token_times_s=token_times,
+    )
+
+
+A = record("a", 0.0, [0.5, 0.7, 1.0, 1.1], prompt=10, scheduled=0.1)  # ttft .5, e2e 1.1, tpot .2
+B = record("b", 1.0, [3.0], prompt=20)                                 # ttft 2, e2e 2, 1 token: no tpot
+C = record("c", 2.0, [2.2, 2.4, 2.6], prompt=30)                       # ttft .2, e2e .6, tpot .2
+
+
+def test_per_request_definitions() -> None:
+    assert ttft(A) == pytest.approx(0.5)
+    assert e2e(A) == pytest.approx(1.1)
+    assert tpot(A) == pytest.approx((1.1 - 0.5) / 3)
+    assert itls(A) == pytest.approx([0.2, 0.3, 0.1])
+    assert tpot(B) is None and itls(B) == []
+
+
+def test_distribution_matches_numpy_linear_percentiles() -> None:
+    stats = distribution([1.0, 2.0, 3.0, 4.0])
+    assert stats["mean"] == pytest.approx(2.5)
+    assert stats["p50"] == pytest.approx(2.5)
+    assert stats["p90"] == pytest.approx(3.7)
+    assert stats["p99"] == pytest.approx(3.97)
+    assert distribution([])["p50"] is None
+
+
+def test_run_metrics() -> None:
+    m = request_metrics([A, B, C], SLO())
+    assert m["duration_s"] == pytest.approx(3.0)  # first arrival 0 -> last finish 3.0
+    assert m["total_prompt_tokens"] == 60 and m["total_output_tokens"] == 8
+    assert m["request_throughput"] == pytest.approx(1.0)
+    assert m["output_throughput"] == pytest.approx(8 / 3)
+    assert m["total_token_throughput"] == pytest.approx(68 / 3)
+    assert m["ttft_s_mean"] == pytest.approx((0.5 + 2.0 + 0.2) / 3)
+    # TPOT excludes the 1-token request B
+    assert m["tpot_s_mean"] == pytest.approx(((0.6 / 3) + 0.2) / 2)
+    # ITLs are pooled over requests: A's 3 gaps and C's 2
+    assert m["itl_s_mean"] == pytest.approx((0.2 + 0.3 + 0.1 + 0.2 + 0.2) / 5)
+    assert m["queue_s_mean"] == pytest.approx(0.1)  # only A reports first_scheduled
+    assert m["goodput"] == pytest.approx(1.0)  # no SLO: every request is good
+
+
+def test_goodput_counts_requests_meeting_every_slo() -> None:
+    slo = SLO(ttft_s=1.0, tpot_s=0.2 + 1e-9)
+    assert meets_slo(A, slo) and meets_slo(C, slo)
+    assert not meets_slo(B, slo)  # TTFT 2 s > 1 s
+    assert meets_slo(B, SLO(tpot_s=0.0))  # a 1-token output has TPOT 0 for goodput (vLLM)
+    m = request_metrics([A, B, C], slo)
+    assert m["num_good_requests"] == 2
+    assert m["goodput"] == pytest.approx(2 / 3.0)
+    assert request_metrics([A, B, C], SLO(e2e_s=1.0))["num_good_requests"] == 1  # only C
+
+
+def test_step_aggregates_and_missing_columns() -> None:
+    steps = [
+        {"num_wasted_slots": 2, "forward_passes": 1, "num_preempted": 0, "prefix_hit_tokens": 16,
+         "kv_used_tokens": 30, "kv_reserved_tokens": 60, "kv_capacity_tokens": 128, "num_running": 3, "num_seqs": 4,
+         "duration_s": 0.1},
+        {"num_wasted_slots": 1, "forward_passes": 1, "num_preempted": 1, "prefix_hit_tokens": 0,
+         "kv_used_tokens": 40, "kv_reserved_tokens": 50, "kv_capacity_tokens": 128, "num_running": 2, "num_seqs": 2,
+         "duration_s": 0.3},
+    ]
+    m = step_metrics(steps)
+    assert (m["wasted_slots"], m["forward_passes"], m["preemptions"], m["prefix_hit_tokens"]) == (3, 2, 1, 16)
+    assert (m["peak_kv_used_tokens"], m["peak_kv_reserved_tokens"], m["max_running_seqs"]) == (40, 60, 3)
+    assert m["mean_kv_used_reserved_ratio"] == pytest.approx((0.5 + 0.8) / 2)
+    assert m["step_time_s_mean"] == pytest.approx(0.2)
+    empty = step_metrics([{"kv_capacity_tokens": None, "kv_used_tokens": math.nan}])
+    assert empty["kv_capacity_tokens"] is None and empty["mean_kv_used_reserved_ratio"] is None

@@ -1,0 +1,102 @@
+"""run.py end to end on the tiny model: result files, multirun + report, failures, peer parity."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+
+from experiments.driver import drive
+from experiments.results import REQUEST_COLUMNS, STEP_COLUMNS
+from experiments.workloads import special_token_ids
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_BURST = ["model=tiny", "workload=burst", "workload.concurrency=2", "workload.max_max_tokens=12",
+              "workload.max_prompt_len=40", "driver.progress=false"]
+
+
+def run_py(args: list[str]) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "run.py", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+
+
+def test_single_run_writes_every_file(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc = run_py([*TINY_BURST, f"hydra.run.dir={out}"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name in ("config.yaml", "requests.csv", "steps.csv", "summary.json", "summary.md",
+                 "kv_usage.png", "batch.png", "ttft.png"):
+        assert (out / name).is_file(), name
+    requests = pd.read_csv(out / "requests.csv")
+    assert list(requests.columns) == REQUEST_COLUMNS and len(requests) == 4
+    assert list(pd.read_csv(out / "steps.csv").columns) == STEP_COLUMNS
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "ok"
+    assert summary["run"]["engine"] == "servelab" and summary["run"]["concurrency"] == 2
+    assert summary["metrics"]["num_requests"] == 4
+    assert summary["metrics"]["total_output_tokens"] == requests["output_tokens"].sum()
+    assert "| output tok/s |" in proc.stdout
+
+
+def test_failed_single_run_exits_nonzero_and_records_it(tmp_path: Path) -> None:
+    out = tmp_path / "fail"
+    proc = run_py(["model=tiny", "workload=four_prompts", "workload.long_max_tokens=600",  # > tiny max_model_len
+                   "driver.progress=false", f"hydra.run.dir={out}"])
+    assert proc.returncode != 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "failed" and "ValueError" in summary["error"]
+
+
+def test_multirun_report_naive_vs_continuous_and_failed_job(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    proc = run_py(["-m", "+experiment=naive_vs_continuous", "model=tiny", "driver.progress=false",
+                   "workload.long_max_tokens=50,600", f"hydra.sweep.dir={sweep}"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = subprocess.run([sys.executable, "-m", "experiments.report", str(sweep)], cwd=ROOT, capture_output=True,
+                            text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=300)
+    assert report.returncode == 0, report.stderr[-3000:]
+    table = pd.read_csv(sweep / "report.csv")
+    assert (sweep / "report.md").is_file() and (sweep / "ttft_cdf.png").is_file() and (sweep / "kv_usage.png").is_file()
+    assert len(table) == 4
+    failed = table[table["status"] == "failed"]
+    assert len(failed) == 2 and (failed["override:workload.long_max_tokens"].astype(str) == "600").all()
+    ok = table[table["status"] == "ok"].set_index("scheduler")
+    assert ok.loc["static", "wasted_slots"] == 3 * (50 - 5)
+    assert ok.loc["continuous", "wasted_slots"] == 0
+    assert {"engine", "cache", "scheduler", "attention", "concurrency", "block_size", "status"} <= set(table.columns)
+
+
+def test_greedy_tokens_identical_servelab_and_hf_static() -> None:
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfgs = {engine: compose("config", overrides=[*TINY_BURST, f"engine={engine}", "device=cpu"])
+                for engine in ("servelab", "hf_static")}
+    tokens = {}
+    for name, cfg in cfgs.items():
+        engine = instantiate(cfg.engine)(cfg)
+        mc = engine.model_config
+        requests = instantiate(cfg.workload, vocab_size=mc.vocab_size, special_token_ids=special_token_ids(mc))
+        result = drive(engine, requests, cfg.driver.max_concurrency, progress=False)
+        tokens[name] = {r.request_id: r.output_token_ids for r in result.records}
+    assert len(tokens["servelab"]) == 4
+    assert tokens["servelab"] == tokens["hf_static"]
+
+
+@pytest.mark.slow
+def test_hf_continuous_matches_too() -> None:
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=[*TINY_BURST, "engine=hf_continuous", "device=cpu"])
+    engine = instantiate(cfg.engine)(cfg)
+    try:
+        mc = engine.model_config
+        requests = instantiate(cfg.workload, vocab_size=mc.vocab_size, special_token_ids=special_token_ids(mc))
+        result = drive(engine, requests, cfg.driver.max_concurrency, progress=False)
+    finally:
+        engine.close()
+    assert [r.output_tokens for r in result.records] == [r.sampling_params.max_tokens for r in requests]
