@@ -42,6 +42,8 @@ class JobOutcome:
 def run_labels(cfg: DictConfig, choices: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """What identifies a run in tables: group choices, the common swept knobs, the overrides."""
     labels: dict[str, Any] = {group: choices.get(group) for group in LABEL_GROUPS}
+    if labels["engine"] != "servelab":  # HF peers ignore servelab's strategy groups
+        labels.update(cache=None, scheduler=None, attention=None)
     labels["concurrency"] = OmegaConf.select(cfg, "workload.concurrency", default=None)
     labels["block_size"] = OmegaConf.select(cfg, "cache.block_size", default=None)
     labels["capacity_tokens"] = OmegaConf.select(cfg, "cache.capacity_tokens", default=None)

@@ -84,7 +84,6 @@ class _QueueingPeer:
     def __init__(self, model_config: ModelConfig) -> None:
         self.model_config = model_config
         self.step_records: list[dict[str, Any]] = []
-        self.waiting: list[PendingRequest] = []
         self._next_id = 0
 
     def clock(self) -> float:
@@ -110,6 +109,7 @@ class HFStaticEngine(_QueueingPeer):
         self.model = model
         self.device = device
         self.batch_size = batch_size
+        self.waiting: list[PendingRequest] = []
 
     @classmethod
     def from_config(cls, cfg: DictConfig, batch_size: int = 8, attn_implementation: str = "sdpa") -> "HFStaticEngine":

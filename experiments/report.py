@@ -30,6 +30,8 @@ from experiments.results import unique_path  # noqa: E402
 
 LABEL_COLUMNS = ["engine", "model", "cache", "scheduler", "attention", "workload", "concurrency", "block_size",
                  "capacity_tokens", "max_num_seqs", "dtype", "seed"]
+REPORT_FILES = ["report.csv", "report.md", "throughput_vs_concurrency.png", "ttft_vs_concurrency.png",
+                "block_size_sweep.png", "ttft_cdf.png", "kv_usage.png"]
 MARKDOWN_METRICS = ["output_throughput", "request_throughput", "ttft_s_p50", "ttft_s_p99", "tpot_s_mean",
                     "e2e_s_p50", "goodput", "wasted_slots", "forward_passes", "preemptions", "prefix_hit_tokens",
                     "mean_kv_used_reserved_ratio"]
@@ -88,12 +90,25 @@ def axis_columns(frame: pd.DataFrame) -> list[str]:
     return labels + [c for c in varying(frame, overrides) if c not in covered]
 
 
+def _missing(value: Any) -> bool:
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
 def strategy_label(row: pd.Series, columns: Sequence[str]) -> str:
-    return " / ".join(f"{c.removeprefix('override:')}={row[c]}" for c in columns) or "run"
+    """``engine=servelab / scheduler=static``: the row's values of ``columns``, skipping empty ones
+    and overrides that only repeat a label (``+serving=static`` next to ``scheduler=static``)."""
+    parts, seen = [], set()
+    for column in columns:
+        value = row[column]
+        if _missing(value) or (column.startswith("override:") and str(value) in seen):
+            continue
+        seen.add(str(value))
+        parts.append(f"{column.removeprefix('override:')}={value}")
+    return " / ".join(parts) or "run"
 
 
 def _fmt(value: Any) -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
+    if _missing(value):
         return ""
     if isinstance(value, float):
         return f"{value:.4g}"
@@ -203,7 +218,12 @@ def write_report(root: Path) -> list[Path]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("sweep_dir", type=Path, help="a multirun folder (results/sweeps/<time>) or a single run folder")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace report files from an earlier report run (default: write report_1.csv ...)")
     args = parser.parse_args(argv)
+    if args.overwrite:
+        for name in REPORT_FILES:
+            (args.sweep_dir / name).unlink(missing_ok=True)
     written = write_report(args.sweep_dir)
     print(written[1].read_text())
     print("\n".join(str(p) for p in written))

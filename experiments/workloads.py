@@ -88,8 +88,9 @@ def four_prompts(
     special_token_ids: Sequence[int] = (),
     seed: int = 0,
     prompt_len: int = 8,
-    short_max_tokens: int = 4,
-    long_max_tokens: int = 48,
+    short_max_tokens: int = 5,
+    long_max_tokens: int = 50,
+    long_first: bool = False,
     ignore_eos: bool = True,
     temperature: float = 0.0,
 ) -> list[WorkloadRequest]:
@@ -97,9 +98,12 @@ def four_prompts(
 
     In one static batch the three short requests finish early and keep occupying their slots
     until the long one is done: ``3 * (long_max_tokens - short_max_tokens)`` wasted slots.
+    ``long_first`` puts the long request first in arrival order (FCFS admits it first).
     """
     sampler = TokenSampler(vocab_size, special_token_ids, seed)
     max_tokens = [short_max_tokens] * 3 + [long_max_tokens]
+    if long_first:
+        max_tokens = max_tokens[::-1]
     return [
         WorkloadRequest(_name(i), sampler.tokens(prompt_len), _params(n, ignore_eos, temperature))
         for i, n in enumerate(max_tokens)

@@ -27,9 +27,10 @@ from strategies.cache.paged import PagedCache
 from strategies.cache.prefix import PrefixCache
 
 ALPHABET = (5, 6)  # two token ids: prompts collide on prefixes often
+SYSTEM_PROMPTS = ((), (5, 5, 5, 5), (5, 5, 5, 5, 6, 6, 6, 6), (6, 5, 6, 5, 6))  # shared starts, as in chat traffic
 BLOCK = 4
-CAPACITY = 96  # 24 blocks of 4
-MAX_MODEL_LEN = 24  # >= longest prompt (12) + max_tokens (8)
+CAPACITY = 72  # 18 blocks of 4: memory runs short often
+MAX_MODEL_LEN = 24  # >= longest prompt (8 + 7) + max_tokens (8); 3 contiguous regions fit
 MAX_WAITING = 6
 
 
@@ -60,9 +61,13 @@ class CacheMachine(RuleBasedStateMachine):
 
     # -- traffic -------------------------------------------------------------------------------
     @precondition(lambda self: len(self.waiting) < MAX_WAITING)
-    @rule(prompt=st.lists(st.sampled_from(ALPHABET), min_size=1, max_size=12), max_tokens=st.integers(1, 8))
-    def add_request(self, prompt: list[int], max_tokens: int) -> None:
-        self.waiting.append(make_seq(self.next_id, prompt, max_tokens))
+    @rule(
+        system=st.sampled_from(SYSTEM_PROMPTS),
+        question=st.lists(st.sampled_from(ALPHABET), min_size=1, max_size=7),
+        max_tokens=st.integers(1, 8),
+    )
+    def add_request(self, system: tuple[int, ...], question: list[int], max_tokens: int) -> None:
+        self.waiting.append(make_seq(self.next_id, [*system, *question], max_tokens))
         self.next_id += 1
 
     @precondition(lambda self: self.waiting)

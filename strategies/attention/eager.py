@@ -34,7 +34,7 @@ class EagerBackend:
         write_kv(key, value, k_cache, v_cache, metadata.slot_mapping)
         batch = group_step(query, k_cache, v_cache, metadata)
         scores = torch.matmul(batch.query, batch.key.transpose(-1, -2)).float() * scale
-        scores = scores.masked_fill(~batch.mask, float("-inf"))
+        scores.masked_fill_(~batch.mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(batch.value.dtype)
         out = torch.matmul(probs, batch.value)
         return ungroup_output(out, batch, query.shape[1])

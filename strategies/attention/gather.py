@@ -11,8 +11,10 @@ the block table and never materialises the gathered tensor.
 
 Grouped-query attention without copying KV heads: query head ``h = kv * G + g`` (``G`` query
 heads per KV head) is moved onto the KV head it shares, giving grouped queries of shape
-``[B, num_kv_heads, Q * G, head_dim]`` (row ``q * G + g``). One batched matmul over the
-``num_kv_heads`` axis then serves all ``G`` query heads from a single copy of each KV head.
+``[num_kv_heads, B, Q * G, head_dim]`` (row ``q * G + g``). One batched matmul over the
+``(num_kv_heads, B)`` axes then serves all ``G`` query heads from a single copy of each KV head.
+The KV-head axis leads so that the gather writes K/V directly in the layout the matmuls read
+(no transpose copy of the gathered context).
 """
 from __future__ import annotations
 
@@ -28,10 +30,10 @@ class GroupedBatch:
     """A step rearranged for dense attention (``G`` = query heads per KV head).
 
     Attributes:
-        query: ``[B, Hkv, Q * G, D]`` grouped, padded queries (``Q = max_query_len``).
-        key: ``[B, Hkv, L, D]`` gathered context keys (``L = max_context_len``); padding is 0.
-        value: ``[B, Hkv, L, D]`` gathered context values; padding is 0.
-        mask: bool, broadcastable to ``[B, 1, Q * G, L]``; True where a row may attend to a key.
+        query: ``[Hkv, B, Q * G, D]`` grouped, padded queries (``Q = max_query_len``).
+        key: ``[Hkv, B, L, D]`` gathered context keys (``L = max_context_len``).
+        value: ``[Hkv, B, L, D]`` gathered context values.
+        mask: bool, broadcastable to ``[1, B, Q * G, L]``; True where a row may attend to a key.
         seq_ids: ``[T]`` sequence of every flat query row (None for decode-only steps).
         row_ids: ``[T]`` index of every flat query row inside its sequence (None for decode).
     """
@@ -47,15 +49,17 @@ class GroupedBatch:
 def context_slots(metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
     """Physical slot of every context position, ``[B, L]`` int64, and its validity mask.
 
-    ``slot[b, t] = block_tables[b, t // block_size] * block_size + t % block_size``; positions
-    ``t >= context_lens[b]`` get a harmless slot (table padding is block 0) and valid=False.
+    ``slot[b, t] = block_tables[b, t // block_size] * block_size + t % block_size`` for
+    ``t < context_lens[b]``. Padding positions point at the sequence's own first token: real,
+    finite data, so a masked-out score never meets stale or uninitialised slots (``0 * NaN``
+    would poison the output even under a mask) and no clean-up pass over the gathered copy
+    is needed.
     """
     bs = metadata.block_size
     positions = torch.arange(metadata.max_context_len, device=metadata.block_tables.device)
-    blocks = metadata.block_tables.long()[:, positions // bs]
-    slots = blocks * bs + positions % bs
+    slots = metadata.block_tables.long()[:, positions // bs] * bs + positions % bs
     valid = positions[None, :] < metadata.context_lens[:, None]
-    return slots, valid
+    return torch.where(valid, slots, slots[:, :1]), valid
 
 
 def gather_kv(
@@ -63,18 +67,20 @@ def gather_kv(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Copy each sequence's context out of the paged cache: ``(key, value, valid)``.
 
-    key/value are ``[B, Hkv, L, D]`` with padding positions zeroed (stale or uninitialised
-    slots may hold NaN, and ``0 * NaN`` would poison the output even under a mask); valid is
-    ``[B, L]``.
+    key/value are ``[Hkv, B, L, D]``, contiguous, each built by one ``index_select`` of
+    ``head_dim``-long rows (row ``slot * Hkv + kv_head`` of the cache seen as ``[-1, D]``),
+    which writes the KV-head-major layout directly; valid is ``[B, L]``.
     """
     # vLLM's fused paged-attention kernel replaces this gather: it reads K/V block by block
-    # through the block table inside the kernel, so no [B, Hkv, L, D] copy exists.
+    # through the block table inside the kernel, so no [Hkv, B, L, D] copy exists.
     num_kv_heads, head_dim = k_cache.shape[-2], k_cache.shape[-1]
     slots, valid = context_slots(metadata)
-    pad = ~valid[:, :, None, None]
-    key = k_cache.view(-1, num_kv_heads, head_dim)[slots].masked_fill_(pad, 0)
-    value = v_cache.view(-1, num_kv_heads, head_dim)[slots].masked_fill_(pad, 0)
-    return key.transpose(1, 2), value.transpose(1, 2), valid
+    heads = torch.arange(num_kv_heads, device=slots.device)
+    rows = (slots[None] * num_kv_heads + heads[:, None, None]).view(-1)
+    shape = (num_kv_heads, *slots.shape, head_dim)
+    key = k_cache.view(-1, head_dim).index_select(0, rows).view(shape)
+    value = v_cache.view(-1, head_dim).index_select(0, rows).view(shape)
+    return key, value, valid
 
 
 def group_step(
@@ -93,8 +99,8 @@ def group_step(
     num_seqs = metadata.num_seqs
     key, value, valid = gather_kv(k_cache, v_cache, metadata)
     if metadata.is_decode_only:
-        grouped = query.view(num_seqs, num_kv_heads, group, head_dim)
-        mask = valid[:, None, None, :]  # [B, 1, 1, L]: broadcasts over the G rows
+        grouped = query.view(num_seqs, num_kv_heads, group, head_dim).transpose(0, 1)
+        mask = valid[None, :, None, :]  # [1, B, 1, L]: broadcasts over the G rows
         return GroupedBatch(grouped, key, value, mask, None, None)
 
     max_q = metadata.max_query_len
@@ -106,27 +112,27 @@ def group_step(
     padded[seq_ids, row_ids] = query
     grouped = (
         padded.view(num_seqs, max_q, num_kv_heads, group, head_dim)
-        .permute(0, 2, 1, 3, 4)
-        .reshape(num_seqs, num_kv_heads, max_q * group, head_dim)
+        .permute(2, 0, 1, 3, 4)
+        .reshape(num_kv_heads, num_seqs, max_q * group, head_dim)
     )
     first_pos = (metadata.context_lens - metadata.query_lens).long()
     query_pos = first_pos[:, None] + torch.arange(max_q, device=query.device)  # [B, Q]
     key_pos = torch.arange(metadata.max_context_len, device=query.device)
     causal = key_pos[None, None, :] <= query_pos[:, :, None]  # [B, Q, L]
-    mask = causal.repeat_interleave(group, dim=1)[:, None]  # [B, 1, Q * G, L]
+    mask = causal.repeat_interleave(group, dim=1)[None]  # [1, B, Q * G, L]
     return GroupedBatch(grouped, key, value, mask, seq_ids, row_ids)
 
 
 def ungroup_output(out: torch.Tensor, batch: GroupedBatch, num_heads: int) -> torch.Tensor:
-    """Undo :func:`group_step`: ``[B, Hkv, Q * G, D]`` -> flat ``[T, Hq, D]`` (padding dropped)."""
-    num_seqs, num_kv_heads, rows, head_dim = out.shape
+    """Undo :func:`group_step`: ``[Hkv, B, Q * G, D]`` -> flat ``[T, Hq, D]`` (padding dropped)."""
+    num_kv_heads, num_seqs, rows, head_dim = out.shape
     if batch.seq_ids is None:
-        return out.reshape(num_seqs, num_heads, head_dim)
+        return out.transpose(0, 1).reshape(num_seqs, num_heads, head_dim)
     group = num_heads // num_kv_heads
     max_q = rows // group
     per_row = (
-        out.view(num_seqs, num_kv_heads, max_q, group, head_dim)
-        .permute(0, 2, 1, 3, 4)
+        out.reshape(num_kv_heads, num_seqs, max_q, group, head_dim)
+        .permute(1, 2, 0, 3, 4)
         .reshape(num_seqs, max_q, num_heads, head_dim)
     )
     return per_row[batch.seq_ids, batch.row_ids]

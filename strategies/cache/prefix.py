@@ -90,7 +90,7 @@ class CachingBlockPool(BlockPool):
 
     def acquire(self, block: int) -> None:
         """Share a held block, or revive a parked one (it leaves the LRU)."""
-        
+        self.parked.pop(block, None)
         super().acquire(block)
 
     def release(self, block: int, keep: bool = False) -> bool:
