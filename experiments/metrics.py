@@ -149,6 +149,25 @@ def kv_used_reserved_ratio(steps: Sequence[dict[str, Any]]) -> float | None:
     return float(np.mean(ratios)) if ratios else None
 
 
+def decode_seconds_per_1k_context(steps: Sequence[dict[str, Any]]) -> float | None:
+    """Slope of decode-step time vs KV tokens in use, per 1,000 tokens (nano-vLLM's measure).
+
+    Least-squares fit of ``duration_s`` on ``kv_used_tokens`` over decode-only steps (no prefill
+    tokens); ``None`` with fewer than 3 such steps or a single context size.
+    """
+    points = [
+        (float(s["kv_used_tokens"]), float(s["duration_s"]))
+        for s in steps
+        if s.get("num_prefill_tokens") == 0 and s.get("num_decode_tokens")
+        and s.get("kv_used_tokens") is not None and s.get("duration_s") is not None
+        and not _is_nan(s["kv_used_tokens"]) and not _is_nan(s["duration_s"])
+    ]
+    if len(points) < 3 or len({x for x, _ in points}) < 2:
+        return None
+    x, y = np.array(points).T
+    return float(np.polyfit(x, y, 1)[0] * 1000.0)
+
+
 def step_metrics(steps: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Engine-side aggregates from per-step records (``None`` where an engine doesn't report a column).
 
@@ -169,4 +188,5 @@ def step_metrics(steps: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "max_running_seqs": _peak(steps, "num_running"),
         "max_batch_seqs": _peak(steps, "num_seqs"),
         "step_time_s_mean": distribution(_column(steps, "duration_s"))["mean"],
+        "decode_s_per_1k_context_tokens": decode_seconds_per_1k_context(steps),
     }

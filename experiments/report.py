@@ -34,7 +34,7 @@ REPORT_FILES = ["report.csv", "report.md", "throughput_vs_concurrency.png", "ttf
                 "block_size_sweep.png", "ttft_cdf.png", "kv_usage.png"]
 MARKDOWN_METRICS = ["output_throughput", "request_throughput", "ttft_s_p50", "ttft_s_p99", "tpot_s_mean",
                     "e2e_s_p50", "goodput", "wasted_slots", "forward_passes", "preemptions", "prefix_hit_tokens",
-                    "mean_kv_used_reserved_ratio"]
+                    "mean_kv_used_reserved_ratio", "decode_s_per_1k_context_tokens"]
 
 
 def job_dirs(root: Path) -> list[Path]:
@@ -195,7 +195,8 @@ def write_report(root: Path) -> list[Path]:
     axes = axis_columns(frame)
     written = [unique_path(root / "report.csv")]
     frame.to_csv(written[0], index=False)
-    headline = ["job", "status", *axes, *MARKDOWN_METRICS, "error"]
+    reported = [m for m in MARKDOWN_METRICS if m in frame and frame[m].notna().any()]
+    headline = ["job", "status", *axes, *reported, "error"]
     md = [f"# servelab report: {root}", "", f"{len(frame)} runs, {int((frame['status'] != 'ok').sum())} failed.", "",
           markdown_table(frame, headline), ""]
     written.append(unique_path(root / "report.md"))

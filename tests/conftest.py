@@ -82,3 +82,10 @@ def triton_available() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("triton") is not None
+
+
+@pytest.fixture(scope="session")
+def long_context_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """TINY_LLAMA with room for 1,024 positions (prefix-sharing prompts of 500+ tokens)."""
+    config = dict(TINY_LLAMA, max_position_embeddings=1024)
+    return build_random_checkpoint(config, tmp_path_factory.mktemp("long_context_llama"), seed=3)

@@ -29,8 +29,8 @@ from strategies.cache.prefix import PrefixCache
 ALPHABET = (5, 6)  # two token ids: prompts collide on prefixes often
 SYSTEM_PROMPTS = ((), (5, 5, 5, 5), (5, 5, 5, 5, 6, 6, 6, 6), (6, 5, 6, 5, 6))  # shared starts, as in chat traffic
 BLOCK = 4
-CAPACITY = 72  # 18 blocks of 4: memory runs short often
-MAX_MODEL_LEN = 24  # >= longest prompt (8 + 7) + max_tokens (8); 3 contiguous regions fit
+CAPACITY = 48  # 12 blocks of 4: memory runs short, parked blocks get evicted
+MAX_MODEL_LEN = 24  # >= longest prompt (8 + 7) + max_tokens (8); 2 contiguous regions fit
 MAX_WAITING = 6
 
 
@@ -90,7 +90,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.running.append(seq)
 
     @precondition(lambda self: self.running)
-    @rule(pick=st.integers(0, 31), chunk=st.integers(1, 8))
+    @rule(pick=st.integers(0, 31), chunk=st.integers(1, 16))
     def compute_tokens(self, pick: int, chunk: int) -> None:
         """Grow for a prefill chunk or a decode token, then 'run the model' on it."""
         seq = self.running[pick % len(self.running)]
@@ -115,10 +115,13 @@ class CacheMachine(RuleBasedStateMachine):
         ready = [s for s in self.running if s.num_uncomputed_tokens == 0 and s.num_output_tokens < s.sampling_params.max_tokens]
         ready[pick % len(ready)].token_ids.append(token)
 
-    @precondition(lambda self: self.running)
+    @precondition(lambda self: any(s.num_uncomputed_tokens == 0 for s in self.running))
     @rule(pick=st.integers(0, 31))
     def finish(self, pick: int) -> None:
-        seq = self.running.pop(pick % len(self.running))
+        """A sequence finishes after a step computed all its tokens (a stop token was sampled)."""
+        done = [s for s in self.running if s.num_uncomputed_tokens == 0]
+        seq = done[pick % len(done)]
+        self.running.remove(seq)
         self.cache.free(seq)
         assert seq.block_table == []
         with pytest.raises(RuntimeError, match="double free"):

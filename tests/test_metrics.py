@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from experiments.metrics import SLO, distribution, e2e, itls, meets_slo, request_metrics, step_metrics, tpot, ttft
+from experiments.metrics import SLO, decode_seconds_per_1k_context, distribution, e2e, itls, meets_slo, request_metrics, step_metrics, tpot, ttft
 from experiments.records import RequestRecord
 
 
@@ -82,3 +82,12 @@ def test_step_aggregates_and_missing_columns() -> None:
     assert m["step_time_s_mean"] == pytest.approx(0.2)
     empty = step_metrics([{"kv_capacity_tokens": None, "kv_used_tokens": math.nan}])
     assert empty["kv_capacity_tokens"] is None and empty["mean_kv_used_reserved_ratio"] is None
+
+
+def test_decode_cost_per_1k_context_tokens() -> None:
+    # duration = 0.05 s + 13.5 ms per 1,000 tokens; the prefill step is ignored
+    steps = [{"num_prefill_tokens": 0, "num_decode_tokens": 4, "kv_used_tokens": kv, "duration_s": 0.05 + 13.5e-6 * kv}
+             for kv in (1000, 2000, 4000, 8000)]
+    steps.append({"num_prefill_tokens": 500, "num_decode_tokens": 0, "kv_used_tokens": 500, "duration_s": 9.0})
+    assert decode_seconds_per_1k_context(steps) == pytest.approx(0.0135)
+    assert decode_seconds_per_1k_context(steps[:2]) is None
