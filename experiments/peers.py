@@ -1,6 +1,6 @@
 """Hugging Face baselines behind the driver's engine surface (see ``experiments.driver.ServingEngine``).
 
-Both load the very checkpoint servelab loads (``engine.loader.resolve_checkpoint``, as ``LLM.from_config`` does)
+Both load the very checkpoint servelab loads (``engine.loader.checkpoint_for_spec``, as ``LLM.from_config`` does)
 with ``AutoModelForCausalLM`` and report :class:`engine.outputs.RequestOutput` records, so
 ``requests.csv`` and ``summary.json`` have the same columns for every engine.
 
@@ -34,7 +34,7 @@ import torch
 from omegaconf import DictConfig
 
 from engine.device import resolve_device, resolve_dtype
-from engine.loader import resolve_checkpoint
+from engine.loader import checkpoint_for_spec
 from engine.model_config import ModelConfig
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -53,7 +53,7 @@ def load_hf_model(cfg: DictConfig, attn_implementation: str) -> tuple[Any, Model
     from transformers import AutoModelForCausalLM
 
     # Exactly the engine's lookup (engine.llm.LLM.build), so both load the same weights.
-    path = Path(resolve_checkpoint(cfg.model.get("path") or cfg.model.name, weights=cfg.model.weights))
+    path = Path(checkpoint_for_spec(cfg.model))
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     torch.manual_seed(cfg.seed)
