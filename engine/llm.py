@@ -48,6 +48,10 @@ class LLM:
             projection and the LM head a oneDNN-prepacked weight copy when running float32 on
             a CPU with oneDNN (1.3-2.3x faster matmuls for 2+ rows here, one extra copy of the
             linear weights in memory); ``True`` requires it, ``False`` keeps plain ``F.linear``.
+        cuda_graphs: performance option. ``True`` replays decode-only steps as CUDA graphs
+            (captured per padded batch size and context bucket, see ``engine/cuda_graphs.py``);
+            CUDA only, ignored elsewhere. ``False`` (default until checked on a GPU by
+            ``experiments/gpu_check.sh``) runs every step eagerly.
     """
 
     def __init__(
@@ -66,6 +70,7 @@ class LLM:
         weights: str = "random",
         seed: int = 0,
         prepack: bool | str = "auto",
+        cuda_graphs: bool = False,
     ) -> None:
         cfg = engine_config(
             model, cache, scheduler, attention, device, dtype, weights, seed,
@@ -76,20 +81,20 @@ class LLM:
                 "chunked_prefill": chunked_prefill,
             },
         )
-        self.build(cfg, prepack=prepack)
+        self.build(cfg, prepack=prepack, cuda_graphs=cuda_graphs)
 
     @classmethod
-    def from_config(cls, cfg: DictConfig, prepack: bool | str = "auto") -> "LLM":
+    def from_config(cls, cfg: DictConfig, prepack: bool | str = "auto", cuda_graphs: bool = False) -> "LLM":
         """Build from a composed config with ``model``, ``cache``, ``scheduler``, ``attention``,
         ``device``, ``dtype`` and ``seed`` (what ``run.py`` gets from Hydra).
 
         Performance options (``conf/engine/servelab.yaml``) come as keyword arguments.
         """
         llm = cls.__new__(cls)
-        llm.build(cfg, prepack=prepack)
+        llm.build(cfg, prepack=prepack, cuda_graphs=cuda_graphs)
         return llm
 
-    def build(self, cfg: DictConfig, prepack: bool | str = "auto") -> None:
+    def build(self, cfg: DictConfig, prepack: bool | str = "auto", cuda_graphs: bool = False) -> None:
         self.config = cfg
         self.device = resolve_device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
@@ -104,6 +109,14 @@ class LLM:
         self.scheduler = instantiate(cfg.scheduler, cache=self.cache, max_model_len=mc.max_model_len)
         self.attention = instantiate(cfg.attention)
         self.runner = ModelRunner(self.model, self.cache, self.attention, self.device)
+        if cuda_graphs and self.device.type == "cuda":
+            from engine.cuda_graphs import DecodeGraphs
+
+            self.runner.graphs = DecodeGraphs(
+                self.model, self.cache.kv_caches, self.attention, self.device,
+                max_num_seqs=getattr(self.scheduler, "max_num_seqs", 256), block_size=self.cache.block_size,
+                max_context=min(mc.max_model_len, self.cache.max_tokens_per_seq()),
+            )
         self.sampler = Sampler(cfg.seed)
         self.step_records: list[StepRecord] = []
         self.request_counter = itertools.count()

@@ -53,8 +53,14 @@ class ModelRunner:
         self.cache = cache
         self.attention = attention
         self.device = device
+        self._aranges = torch.arange(1024, dtype=torch.int64)
+        self.graphs = None  # engine.cuda_graphs.DecodeGraphs when LLM(cuda_graphs=True) on CUDA
 
     def prepare(self, scheduled: list[ScheduledSequence]) -> StepInputs:
+        """Flatten one step. Python touches each sequence once (its token ids, start and block
+        table); everything derived (positions, slots, prefix sums) is tensor ops on the host,
+        then one copy per tensor to the device. Decode-only steps (one row per sequence) skip
+        the ragged-row bookkeeping entirely."""
         token_ids: list[int] = []
         start_positions: list[int] = []
         query_lens: list[int] = []
@@ -65,52 +71,73 @@ class ModelRunner:
             seq = item.seq
             # A padding row (finished member of a static batch) recomputes its last token.
             start = seq.num_tokens - 1 if item.is_padding else seq.num_computed_tokens
-            end = start + item.num_new_tokens
-            token_ids.extend(seq.token_ids[start:end])
+            num_new = item.num_new_tokens
+            end = start + num_new
+            if num_new == 1:
+                token_ids.append(seq.token_ids[start])
+            else:
+                token_ids.extend(seq.token_ids[start:end])
             start_positions.append(start)
-            query_lens.append(item.num_new_tokens)
+            query_lens.append(num_new)
             block_tables.append(seq.block_table)
             if end == seq.num_tokens:
                 sampled.append(item)
                 sampled_rows.append(len(token_ids) - 1)
 
+        num_seqs, num_rows = len(scheduled), len(token_ids)
         block_size = self.cache.block_size
         max_blocks = max(len(table) for table in block_tables)
-        block_tables_tensor = torch.tensor(
+        # One host tensor for the ragged ints (ids | starts | query lens | sampled rows).
+        ints = torch.tensor(token_ids + start_positions + query_lens + sampled_rows, dtype=torch.int64)
+        input_ids, starts, query_lens_t, logits_indices = ints.split(
+            [num_rows, num_seqs, num_seqs, len(sampled_rows)]
+        )
+        block_tables_t = torch.tensor(
             [table + [0] * (max_blocks - len(table)) for table in block_tables], dtype=torch.int64
         )
-        query_lens_tensor = torch.tensor(query_lens, dtype=torch.int64)
-        starts_tensor = torch.tensor(start_positions, dtype=torch.int64)
-        query_start_loc = torch.zeros(len(query_lens) + 1, dtype=torch.int64)
-        torch.cumsum(query_lens_tensor, 0, out=query_start_loc[1:])
-        num_rows = len(token_ids)
-        row_to_seq = torch.repeat_interleave(torch.arange(len(query_lens)), query_lens_tensor, output_size=num_rows)
-        offset_in_query = torch.arange(num_rows) - query_start_loc[:-1][row_to_seq]
-        positions = starts_tensor[row_to_seq] + offset_in_query
-        slot_mapping = block_tables_tensor[row_to_seq, positions // block_size] * block_size + positions % block_size
-        context_lens = starts_tensor + query_lens_tensor
+        decode_only = num_rows == num_seqs
+        if decode_only:
+            positions = starts
+            query_start_loc = self._arange(num_seqs + 1)
+            seq_rows = self._arange(num_seqs)
+        else:
+            query_start_loc = torch.zeros(num_seqs + 1, dtype=torch.int64)
+            torch.cumsum(query_lens_t, 0, out=query_start_loc[1:])
+            seq_rows = torch.repeat_interleave(self._arange(num_seqs), query_lens_t, output_size=num_rows)
+            positions = starts[seq_rows] + (self._arange(num_rows) - query_start_loc[:-1][seq_rows])
+        slot_mapping = block_tables_t[seq_rows, positions // block_size] * block_size + positions % block_size
+        context_lens = starts + query_lens_t
 
         device = self.device
         metadata = AttentionMetadata(
             query_start_loc=query_start_loc.to(device, torch.int32),
-            query_lens=query_lens_tensor.to(device, torch.int32),
+            query_lens=query_lens_t.to(device, torch.int32),
             context_lens=context_lens.to(device, torch.int32),
             slot_mapping=slot_mapping.to(device),
-            block_tables=block_tables_tensor.to(device, torch.int32),
+            block_tables=block_tables_t.to(device, torch.int32),
             block_size=block_size,
             max_query_len=max(query_lens),
-            max_context_len=int(context_lens.max()),
+            max_context_len=max(start + n for start, n in zip(start_positions, query_lens)),
         )
         return StepInputs(
-            input_ids=torch.tensor(token_ids, dtype=torch.int64).to(device),
+            input_ids=input_ids.to(device),
             positions=positions.to(device),
             metadata=metadata,
-            logits_indices=torch.tensor(sampled_rows, dtype=torch.int64).to(device),
+            logits_indices=logits_indices.to(device),
             sampled=sampled,
         )
+
+    def _arange(self, n: int) -> torch.Tensor:
+        """``arange(n)`` as a view of one cached host tensor (grown on demand, never written)."""
+        if self._aranges.numel() < n:
+            self._aranges = torch.arange(max(n, 2 * self._aranges.numel()), dtype=torch.int64)
+        return self._aranges[:n]
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> torch.Tensor:
         """One forward pass; returns float32 logits ``[S, vocab]`` for the sampled rows."""
+        if self.graphs is not None and self.graphs.can_run(inputs.metadata):
+            # Decode-only step: every row is sampled, in order (see engine/cuda_graphs.py).
+            return self.graphs.run(inputs.input_ids, inputs.positions, inputs.metadata)
         hidden = self.model(inputs.input_ids, inputs.positions, self.cache.kv_caches, inputs.metadata, self.attention)
         return self.model.compute_logits(hidden[inputs.logits_indices])

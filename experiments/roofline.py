@@ -1,0 +1,181 @@
+"""Decode-step roofline: how far is the engine's decode step from this machine's lower bound?
+
+    python -m experiments.roofline [--model smollm2-135m] [--dtype float32] [--device cpu]
+                                   [--batch-sizes 1 8 32] [--context 128] [--steps 10] [--out DIR]
+
+1. Measures the machine: memory bandwidth (median of large tensor copies, counting the read and
+   the write) and matmul peak (median of large square matmuls in ``--dtype``; on CPU float32 the
+   better of ``torch.mm`` and a oneDNN-prepacked linear, the two paths the engine can take).
+2. For each batch size ``B``: starts ``B`` requests with ``--context`` prompt tokens, runs their
+   prefill, then times ``--steps`` engine decode steps (``LLM.step()``: scheduler, runner,
+   forward, sampler; median) with every sequence at about ``--context`` tokens.
+3. Lower bound of one decode step = ``max(bytes / bandwidth, flops / peak)``:
+
+   * bytes: every weight once (the tied LM head reads the embedding matrix; the embedding lookup
+     itself reads only ``B`` rows) + the K/V context read by attention
+     (``2 * layers * B * context * kv_heads * head_dim`` elements);
+   * flops: ``2 * B * (projection + LM head parameters)`` + attention's
+     ``4 * B * context * heads * head_dim`` per layer.
+
+Prints one table (measured ms, memory-bound ms, FLOP-bound ms, bound, ratio = measured / bound)
+and, with ``--out``, writes ``roofline.csv`` and ``roofline.md`` there. Timings on a shared
+machine are noisy: rerun, compare medians.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from engine.device import DTYPES, resolve_device, resolve_dtype
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_time(fn, device: torch.device, repeats: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_bandwidth(device: torch.device, megabytes: int = 256, repeats: int = 7) -> float:
+    """Bytes per second of a large copy (read + write counted)."""
+    numel = megabytes * 2**20 // 4
+    src = torch.ones(numel, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    seconds = _median_time(lambda: dst.copy_(src), device, repeats)
+    return 2 * numel * 4 / seconds
+
+
+def measure_matmul_peak(device: torch.device, dtype: torch.dtype, size: int | None = None, repeats: int = 5) -> float:
+    """FLOP/s of large square matmuls in ``dtype`` (the best path the engine can use)."""
+    size = size or (8192 if device.type == "cuda" else 2048)
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    flops = 2 * size**3
+    best = flops / _median_time(lambda: torch.mm(a, b), device, repeats)
+    from engine.model import onednn_linear_supported, packed_linear, prepack_weight
+
+    if onednn_linear_supported(device, dtype):
+        packed = prepack_weight(b.t().contiguous(), size)
+        best = max(best, flops / _median_time(lambda: packed_linear(a, packed, None), device, repeats))
+    return best
+
+
+@dataclasses.dataclass
+class DecodeCost:
+    weight_bytes: int
+    kv_bytes: int
+    flops: int
+
+
+def decode_cost(model: torch.nn.Module, config, batch: int, context: int, dtype: torch.dtype) -> DecodeCost:
+    """Bytes and FLOPs one decode step of ``batch`` sequences at ``context`` tokens must move/do."""
+    element = torch.empty((), dtype=dtype).element_size()
+    embed = model.embed_tokens.weight.numel()
+    params = sum(p.numel() for p in model.parameters())
+    # Weights read once: all parameters (the tied LM head is the embedding matrix, read in full).
+    weight_bytes = params * element
+    matmul_params = params - embed + (embed if model.lm_head is None else 0)  # projections + LM head
+    matmul_params -= sum(p.numel() for name, p in model.named_parameters() if "norm" in name)
+    kv_elements = 2 * config.num_hidden_layers * batch * context * config.num_key_value_heads * config.head_dim
+    attention_flops = 4 * batch * context * config.num_attention_heads * config.head_dim * config.num_hidden_layers
+    return DecodeCost(weight_bytes, kv_elements * element, 2 * batch * matmul_params + attention_flops)
+
+
+def time_decode_steps(llm, batch: int, context: int, steps: int, seed: int = 0) -> float:
+    """Median wall time of ``steps`` engine decode steps with ``batch`` sequences at ~``context`` tokens."""
+    from engine.sampling_params import SamplingParams
+
+    generator = torch.Generator().manual_seed(seed)
+    vocab = llm.model_config.vocab_size
+    warmup = 2
+    params = SamplingParams(max_tokens=steps + warmup + 1, ignore_eos=True)
+    for _ in range(batch):
+        prompt = torch.randint(min(5, vocab - 1), vocab, (context,), generator=generator).tolist()
+        llm.add_request(prompt, params)
+    while llm.scheduler.num_waiting or any(s.num_output_tokens == 0 for s in llm.scheduler.running):
+        llm.step()  # prefill (possibly over several steps)
+    for _ in range(warmup):
+        llm.step()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        llm.step()
+        times.append(time.perf_counter() - start)
+    while llm.has_unfinished():
+        llm.step()
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES) + ["auto"])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--attention", default="torch_sdpa")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--context", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--prepack", default="auto", help="LLM(prepack=...): auto | true | false")
+    parser.add_argument("--out", type=Path, default=None, help="folder for roofline.csv / roofline.md")
+    args = parser.parse_args(argv)
+
+    from engine.llm import LLM
+
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    prepack = {"true": True, "false": False}.get(str(args.prepack).lower(), args.prepack)
+    bandwidth = measure_bandwidth(device)
+    peak = measure_matmul_peak(device, dtype)
+    print(f"machine: {device}, {torch.get_num_threads()} threads; bandwidth {bandwidth / 1e9:.1f} GB/s; "
+          f"matmul peak {peak / 1e9:.1f} GFLOP/s ({args.dtype})")
+    llm = LLM(model=args.model, device=str(device), dtype=args.dtype, attention=args.attention,
+              max_num_seqs=max(args.batch_sizes), prepack=prepack)
+    rows = []
+    for batch in args.batch_sizes:
+        measured = time_decode_steps(llm, batch, args.context, args.steps)
+        cost = decode_cost(llm.model, llm.model_config, batch, args.context + args.steps // 2, dtype)
+        memory_s = (cost.weight_bytes + cost.kv_bytes) / bandwidth
+        flop_s = cost.flops / peak
+        bound = max(memory_s, flop_s)
+        rows.append({
+            "model": args.model, "dtype": args.dtype, "device": str(device), "batch": batch, "context": args.context,
+            "measured_ms": round(measured * 1e3, 2), "memory_bound_ms": round(memory_s * 1e3, 2),
+            "flop_bound_ms": round(flop_s * 1e3, 2), "bound_ms": round(bound * 1e3, 2),
+            "ratio": round(measured / bound, 2), "achieved_gflops": round(cost.flops / measured / 1e9, 1),
+            "bandwidth_gbs": round(bandwidth / 1e9, 1), "peak_gflops": round(peak / 1e9, 1),
+        })
+    columns = ["batch", "context", "measured_ms", "memory_bound_ms", "flop_bound_ms", "bound_ms", "ratio", "achieved_gflops"]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(str(row[c]) for c in columns) + " |" for row in rows]
+    print("\n".join(lines))
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        with open(args.out / "roofline.csv", "w", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+        header = (f"Decode-step roofline: {args.model}, {args.dtype} on {device}; bandwidth "
+                  f"{bandwidth / 1e9:.1f} GB/s, matmul peak {peak / 1e9:.1f} GFLOP/s.\n\n")
+        (args.out / "roofline.md").write_text(header + "\n".join(lines) + "\n")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,223 @@
+"""Every performance optimisation keeps outputs identical (docs/performance.md).
+
+* oneDNN-prepacked linears (``LLM(prepack=...)``): greedy tokens equal to the plain path and to
+  HF, logits close, for the fused projections, the LM head, and an untied / biased model.
+* The runner's vectorised step preparation (decode-only fast path, cached ``arange``): its
+  metadata equals a straightforward per-row reference on ragged, chunked and decode steps, and
+  an engine serving two different workloads back to back gives what fresh engines give.
+* CUDA graphs (``LLM(cuda_graphs=True)``): tokens and logits equal to eager (CUDA only).
+* ``experiments.roofline``: the bound's byte / FLOP counts on a tiny model.
+No timing asserts: speed is measured by ``experiments/roofline.py`` and recorded in the doc.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.model import onednn_linear_supported
+from engine.runner import ModelRunner
+from hf_reference import hf_greedy
+
+needs_onednn = pytest.mark.skipif(
+    not onednn_linear_supported(torch.device("cpu"), torch.float32), reason="oneDNN not available"
+)
+
+
+def ragged_prompts(seed: int, count: int, vocab: int, min_len: int = 1, max_len: int = 20) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(min_len, max_len))] for _ in range(count)]
+
+
+def build(ckpt, **kwargs) -> LLM:
+    options = dict(device="cpu", dtype="float32", block_size=4, capacity_tokens=512, max_num_seqs=8)
+    options.update(kwargs)
+    return LLM(model=str(ckpt), **options)
+
+
+def serve(llm: LLM, prompts, max_tokens) -> list[list[int]]:
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in max_tokens]
+    outputs = llm.generate(prompts, params)
+    llm.free_blocks_check()
+    return [output.token_ids for output in outputs]
+
+
+# -- prepacked (oneDNN) linears -------------------------------------------------------------------
+@needs_onednn
+@pytest.mark.parametrize("ckpt_name", ["tiny_llama_ckpt", "tiny_qwen2_ckpt", "odd_ckpt"])
+def test_prepacked_linears_keep_tokens_equal_to_plain_and_hf(ckpt_name, request):
+    ckpt = request.getfixturevalue(ckpt_name)
+    packed, plain = build(ckpt, prepack=True), build(ckpt, prepack=False)
+    assert packed.prepacked and not plain.prepacked
+    prompts = ragged_prompts(0, 7, packed.model_config.vocab_size)
+    max_tokens = [1, 4, 9, 6, 12, 3, 8]
+    tokens = serve(packed, prompts, max_tokens)
+    assert tokens == serve(plain, prompts, max_tokens)
+    for prompt, budget, generated in zip(prompts, max_tokens, tokens):
+        assert generated == hf_greedy(str(ckpt), tuple(prompt), budget)
+
+
+@needs_onednn
+def test_prepacked_logits_close_to_plain(odd_ckpt):
+    """Untied LM head and q/k/v/o biases through the packed path: logits within float32 noise."""
+    packed, plain = build(odd_ckpt, prepack=True), build(odd_ckpt, prepack=False)
+    prompts = ragged_prompts(3, 5, packed.model_config.vocab_size, min_len=2)
+    logits = []
+    for llm in (packed, plain):
+        for prompt in prompts:
+            llm.add_request(prompt, SamplingParams(max_tokens=2, ignore_eos=True))
+        plan = llm.scheduler.schedule()
+        inputs = llm.runner.prepare(plan.scheduled)
+        logits.append(llm.runner.execute(inputs))
+        llm.scheduler.retire([])  # keep the requests; nothing else is run
+    assert logits[0].shape == (len(prompts), packed.model_config.vocab_size)
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
+    assert torch.equal(logits[0].argmax(-1), logits[1].argmax(-1))
+
+
+@needs_onednn
+def test_single_row_uses_plain_linear_and_many_rows_use_packed(tiny_llama_ckpt):
+    llm = build(tiny_llama_ckpt, prepack=True)
+    layer = llm.model.layers[0].mlp.gate_up_proj
+    x = torch.randn(5, layer.in_features)
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
+        assert torch.equal(layer(x[:1]), torch.nn.functional.linear(x[:1], layer.weight))
+
+
+def test_prepack_rejected_where_unsupported(tiny_llama_ckpt):
+    with pytest.raises(ValueError, match="prepack"):
+        build(tiny_llama_ckpt, prepack="yes")
+    assert not build(tiny_llama_ckpt, dtype="bfloat16", prepack="auto").prepacked
+    with pytest.raises(ValueError, match="float32"):
+        build(tiny_llama_ckpt, dtype="bfloat16", prepack=True)
+
+
+# -- runner: vectorised step preparation, no stale state across steps ----------------------------
+def reference_prepare(scheduled, block_size: int):
+    """The step description computed row by row in plain Python (the definition)."""
+    ids, positions, slots, starts, qlens, rows = [], [], [], [], [], []
+    for item in scheduled:
+        seq = item.seq
+        start = seq.num_tokens - 1 if item.is_padding else seq.num_computed_tokens
+        for pos in range(start, start + item.num_new_tokens):
+            ids.append(seq.token_ids[pos])
+            positions.append(pos)
+            slots.append(seq.block_table[pos // block_size] * block_size + pos % block_size)
+        starts.append(start)
+        qlens.append(item.num_new_tokens)
+        if start + item.num_new_tokens == seq.num_tokens:
+            rows.append(len(ids) - 1)
+    return ids, positions, slots, [s + q for s, q in zip(starts, qlens)], qlens, rows
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_runner_metadata_equals_row_by_row_reference(tiny_llama_ckpt, chunked):
+    llm = build(tiny_llama_ckpt, chunked_prefill=chunked, max_num_batched_tokens=24 if chunked else None)
+    prompts = ragged_prompts(5, 10, llm.model_config.vocab_size, max_len=30)
+    for index, prompt in enumerate(prompts[:6]):
+        llm.add_request(prompt, SamplingParams(max_tokens=3 + index, ignore_eos=True))
+    checked = decode_steps = 0
+    late = iter(prompts[6:])
+    while llm.has_unfinished():
+        plan = llm.scheduler.schedule()
+        if plan.is_empty:
+            break
+        inputs = llm.runner.prepare(plan.scheduled)
+        ids, positions, slots, context_lens, qlens, rows = reference_prepare(plan.scheduled, llm.cache.block_size)
+        meta = inputs.metadata
+        assert inputs.input_ids.tolist() == ids
+        assert inputs.positions.tolist() == positions
+        assert meta.slot_mapping.tolist() == slots
+        assert meta.context_lens.tolist() == context_lens
+        assert meta.query_lens.tolist() == qlens
+        assert meta.query_start_loc.tolist() == [sum(qlens[:i]) for i in range(len(qlens) + 1)]
+        assert inputs.logits_indices.tolist() == rows
+        assert meta.max_query_len == max(qlens) and meta.max_context_len == max(context_lens)
+        for b, item in enumerate(plan.scheduled):
+            table = item.seq.block_table
+            assert meta.block_tables[b, : len(table)].tolist() == table
+        checked += 1
+        decode_steps += meta.is_decode_only
+        # finish the step through the engine's own bookkeeping
+        logits = llm.runner.execute(inputs)
+        tokens = llm.sampler(logits, [item.seq for item in inputs.sampled])
+        now = llm.clock()
+        for item in plan.scheduled:
+            if not item.is_padding:
+                item.seq.num_computed_tokens += item.num_new_tokens
+                llm.cache.on_tokens_computed(item.seq)
+        finished = [item.seq for item, token in zip(inputs.sampled, tokens) if llm.append_token(item.seq, token, now)]
+        llm.scheduler.retire(finished)
+        if checked % 3 == 0:
+            prompt = next(late, None)
+            if prompt is not None:
+                llm.add_request(prompt, SamplingParams(max_tokens=5, ignore_eos=True))
+    assert checked > 5 and decode_steps > 0
+    llm.free_blocks_check()
+
+
+@pytest.mark.parametrize("attention", ["torch_sdpa", "eager"])
+def test_back_to_back_workloads_equal_fresh_engines(tiny_llama_ckpt, attention):
+    """Reused buffers (runner aranges, packed weights, per-step caches) leak nothing between runs."""
+    first = ragged_prompts(10, 8, 256, max_len=25)
+    second = ragged_prompts(11, 3, 256, min_len=20, max_len=40)  # fewer, longer: other shapes
+    budgets_1, budgets_2 = [5, 9, 2, 14, 7, 3, 11, 6], [13, 1, 8]
+    reused = build(tiny_llama_ckpt, attention=attention)
+    got_1 = serve(reused, first, budgets_1)
+    got_2 = serve(reused, second, budgets_2)
+    got_1_again = serve(reused, first, budgets_1)
+    assert got_1 == serve(build(tiny_llama_ckpt, attention=attention), first, budgets_1) == got_1_again
+    assert got_2 == serve(build(tiny_llama_ckpt, attention=attention), second, budgets_2)
+
+
+def test_runner_arange_cache_grows(tiny_llama_ckpt):
+    runner: ModelRunner = build(tiny_llama_ckpt).runner
+    assert runner._arange(5).tolist() == [0, 1, 2, 3, 4]
+    big = runner._arange(5000)
+    assert big.shape == (5000,) and torch.equal(big, torch.arange(5000))
+
+
+# -- CUDA graphs --------------------------------------------------------------------------------
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("attention", ["torch_sdpa", "eager"])
+def test_cuda_graphs_tokens_equal_eager(tiny_llama_ckpt, attention):
+    options = dict(device="cuda", attention=attention)
+    graphs, eager = build(tiny_llama_ckpt, cuda_graphs=True, **options), build(tiny_llama_ckpt, **options)
+    assert graphs.runner.graphs is not None and eager.runner.graphs is None
+    prompts = ragged_prompts(7, 7, 256, max_len=30)
+    budgets = [12, 3, 20, 7, 1, 16, 9]  # batch shrinks 7 -> 1 through padded buckets 8, 4, 2, 1
+    assert serve(graphs, prompts, budgets) == serve(eager, prompts, budgets)
+    assert graphs.runner.graphs.graphs  # something was captured and replayed
+
+
+def test_cuda_graph_buckets():
+    from engine.cuda_graphs import batch_buckets
+
+    assert batch_buckets(1) == [1]
+    assert batch_buckets(32) == [1, 2, 4, 8, 16, 32]
+    assert batch_buckets(48) == [1, 2, 4, 8, 16, 32, 48]
+
+
+def test_cuda_graphs_ignored_on_cpu(tiny_llama_ckpt):
+    assert build(tiny_llama_ckpt, cuda_graphs=True).runner.graphs is None
+
+
+# -- roofline ------------------------------------------------------------------------------------
+def test_roofline_counts_and_decode_timing(tiny_llama_ckpt):
+    from experiments.roofline import decode_cost, time_decode_steps
+
+    llm = build(tiny_llama_ckpt, capacity_tokens=1024)
+    config = llm.model_config
+    cost = decode_cost(llm.model, config, batch=4, context=10, dtype=torch.float32)
+    params = sum(p.numel() for p in llm.model.parameters())
+    assert cost.weight_bytes == params * 4
+    kv = 2 * config.num_hidden_layers * 4 * 10 * config.num_key_value_heads * config.head_dim
+    assert cost.kv_bytes == kv * 4
+    norms = sum(p.numel() for n, p in llm.model.named_parameters() if "norm" in n)
+    attention = 4 * 4 * 10 * config.num_attention_heads * config.head_dim * config.num_hidden_layers
+    assert cost.flops == 2 * 4 * (params - norms) + attention  # tied head: the embedding is the LM head
+    assert time_decode_steps(llm, batch=3, context=6, steps=2) > 0
+    llm.free_blocks_check()
