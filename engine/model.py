@@ -26,6 +26,7 @@ from engine.model_config import ModelConfig
 from strategies.attention.base import AttentionBackend
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
+AttentionParts = list[tuple[int, int, AttentionMetadata]]  # (row_start, row_end, metadata of those rows)
 
 
 def onednn_linear_supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -131,13 +132,20 @@ class Attention(nn.Module):
         kv_cache: KVCache,
         metadata: AttentionMetadata,
         attention: AttentionBackend,
+        parts: AttentionParts | None = None,
     ) -> torch.Tensor:
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = apply_rope(q.view(T, self.num_heads, self.head_dim), cos, sin)
         k = apply_rope(k.view(T, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        out = attention.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale)
+        if parts is None:
+            out = attention.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale)
+        else:  # a mixed step, attended per run of sequences (see CausalLM.forward)
+            out = torch.cat([
+                attention.forward(q[start:end], k[start:end], v[start:end], kv_cache[0], kv_cache[1], part, self.scale)
+                for start, end, part in parts
+            ])
         return self.o_proj(out.reshape(T, self.q_size))
 
 
@@ -172,8 +180,9 @@ class DecoderLayer(nn.Module):
         kv_cache: KVCache,
         metadata: AttentionMetadata,
         attention: AttentionBackend,
+        parts: AttentionParts | None = None,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, metadata, attention)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, metadata, attention, parts)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -219,19 +228,27 @@ class CausalLM(nn.Module):
         kv_caches: list[KVCache],
         metadata: AttentionMetadata,
         attention: AttentionBackend,
+        attention_parts: AttentionParts | None = None,
     ) -> torch.Tensor:
         """Final (normed) hidden states ``[T, hidden_size]`` of the ``T`` flattened new tokens.
 
         ``kv_caches[i]`` is layer ``i``'s ``(k_cache, v_cache)``, each
         ``[num_blocks, block_size, num_kv_heads, head_dim]``; the backend writes this step's
         K/V into them.
+
+        ``attention_parts`` (optional, from the runner): ``(row_start, row_end, metadata)`` for
+        consecutive runs of sequences that together cover the step. Attention is then called
+        once per run on its rows, so the decode rows of a mixed step keep the backend's
+        decode-only path instead of being padded to the longest prompt of the step (gather
+        backends pad every sequence's queries to ``max_query_len``). The dense layers still
+        run once over all ``T`` rows.
         """
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"got {len(kv_caches)} KV-cache pairs for {len(self.layers)} layers")
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, kv_cache, metadata, attention)
+            x = layer(x, cos, sin, kv_cache, metadata, attention, attention_parts)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -34,6 +34,8 @@ class StepInputs:
         metadata: the attention metadata of the step.
         logits_indices: ``[S]`` rows whose next-token logits are needed.
         sampled: the scheduled items those rows belong to, in the same order.
+        attention_parts: for mixed steps, ``(row_start, row_end, metadata)`` per run of decode /
+            prefill sequences (see :meth:`ModelRunner.split_runs`); ``None`` otherwise.
     """
 
     input_ids: torch.Tensor
@@ -41,6 +43,7 @@ class StepInputs:
     metadata: AttentionMetadata
     logits_indices: torch.Tensor
     sampled: list[ScheduledSequence]
+    attention_parts: list[tuple[int, int, AttentionMetadata]] | None = None
 
 
 class ModelRunner:
@@ -55,6 +58,7 @@ class ModelRunner:
         self.device = device
         self._aranges = torch.arange(1024, dtype=torch.int64)
         self.graphs = None  # engine.cuda_graphs.DecodeGraphs when LLM(cuda_graphs=True) on CUDA
+        self.min_decode_run: int | None = 2  # split mixed steps with a run of >= this many decodes; None: never
 
     def prepare(self, scheduled: list[ScheduledSequence]) -> StepInputs:
         """Flatten one step. Python touches each sequence once (its token ids, start and block
@@ -119,13 +123,56 @@ class ModelRunner:
             max_query_len=max(query_lens),
             max_context_len=max(start + n for start, n in zip(start_positions, query_lens)),
         )
+        parts = None if decode_only else self.split_runs(metadata, query_lens, start_positions)
         return StepInputs(
             input_ids=input_ids.to(device),
             positions=positions.to(device),
             metadata=metadata,
             logits_indices=logits_indices.to(device),
             sampled=sampled,
+            attention_parts=parts,
         )
+
+    def split_runs(
+        self, metadata: AttentionMetadata, query_lens: list[int], starts: list[int]
+    ) -> list[tuple[int, int, AttentionMetadata]] | None:
+        """Split a mixed step into runs of decode (1-row) and prefill sequences.
+
+        The scheduler lists running sequences (mostly decodes) before new admissions (prompts),
+        so a mixed step is usually two runs. Attending per run keeps the decode rows on the
+        backend's unpadded decode path; in one padded call every decode row would be padded to
+        the longest prompt (measured 3-6x slower steps at 32 sequences, docs/performance.md).
+        Returns ``None`` when splitting does not pay (a single run, or runs shorter than
+        ``min_decode_run`` decode sequences).
+        """
+        if self.min_decode_run is None:
+            return None
+        runs: list[tuple[int, int]] = []
+        first = 0
+        for index in range(1, len(query_lens) + 1):
+            if index == len(query_lens) or (query_lens[index] == 1) != (query_lens[first] == 1):
+                runs.append((first, index))
+                first = index
+        if len(runs) == 1 or max((e - s for s, e in runs if query_lens[s] == 1), default=0) < self.min_decode_run:
+            return None
+        parts = []
+        row = 0
+        qsl = metadata.query_start_loc
+        for s, e in runs:
+            rows = sum(query_lens[s:e])
+            part = AttentionMetadata(
+                query_start_loc=qsl[s : e + 1] - row,
+                query_lens=metadata.query_lens[s:e],
+                context_lens=metadata.context_lens[s:e],
+                slot_mapping=metadata.slot_mapping[row : row + rows],
+                block_tables=metadata.block_tables[s:e],
+                block_size=metadata.block_size,
+                max_query_len=max(query_lens[s:e]),
+                max_context_len=max(starts[i] + query_lens[i] for i in range(s, e)),
+            )
+            parts.append((row, row + rows, part))
+            row += rows
+        return parts
 
     def _arange(self, n: int) -> torch.Tensor:
         """``arange(n)`` as a view of one cached host tensor (grown on demand, never written)."""
@@ -139,5 +186,6 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.can_run(inputs.metadata):
             # Decode-only step: every row is sampled, in order (see engine/cuda_graphs.py).
             return self.graphs.run(inputs.input_ids, inputs.positions, inputs.metadata)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.cache.kv_caches, inputs.metadata, self.attention)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.cache.kv_caches, inputs.metadata, self.attention,
+                            attention_parts=inputs.attention_parts)
         return self.model.compute_logits(hidden[inputs.logits_indices])

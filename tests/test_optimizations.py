@@ -221,3 +221,62 @@ def test_roofline_counts_and_decode_timing(tiny_llama_ckpt):
     assert cost.flops == 2 * 4 * (params - norms) + attention  # tied head: the embedding is the LM head
     assert time_decode_steps(llm, batch=3, context=6, steps=2) > 0
     llm.free_blocks_check()
+
+
+# -- mixed steps attended per run of decode / prefill sequences -----------------------------------
+def serve_with_late_arrivals(llm: LLM, prompts, budgets) -> list[list[int]]:
+    """Three requests first, then one more before every step: most steps mix decodes and prompts."""
+    pending = iter(range(len(prompts)))
+    ids: dict[int, int] = {}
+
+    def arrive() -> None:
+        index = next(pending, None)
+        if index is not None:
+            ids[llm.add_request(prompts[index], SamplingParams(max_tokens=budgets[index], ignore_eos=True))] = index
+
+    for _ in range(3):
+        arrive()
+    got: dict[int, list[int]] = {}
+    while llm.has_unfinished():
+        arrive()
+        for output in llm.step():
+            got[ids[output.request_id]] = output.token_ids
+    llm.free_blocks_check()
+    return [got[i] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("attention", ["torch_sdpa", "eager"])
+def test_split_mixed_steps_equal_unsplit_and_hf(tiny_llama_ckpt, attention):
+    split, whole = build(tiny_llama_ckpt, attention=attention), build(tiny_llama_ckpt, attention=attention)
+    whole.runner.min_decode_run = None  # one padded attention call per layer
+    used = []
+    original = split.runner.split_runs
+    split.runner.split_runs = lambda *args: used.append(original(*args)) or used[-1]
+    prompts = ragged_prompts(21, 12, 256, max_len=24)
+    budgets = [9, 3, 12, 5, 7, 1, 10, 4, 6, 8, 2, 11]
+    tokens = serve_with_late_arrivals(split, prompts, budgets)
+    assert any(parts is not None and len(parts) >= 2 for parts in used)  # mixed steps were split
+    assert tokens == serve_with_late_arrivals(whole, prompts, budgets)
+    for prompt, budget, generated in zip(prompts, budgets, tokens):
+        assert generated == hf_greedy(str(tiny_llama_ckpt), tuple(prompt), budget)
+
+
+def test_split_runs_metadata_slices(tiny_llama_ckpt):
+    """Each run's metadata is the step's metadata restricted to its sequences, rows rebased to 0."""
+    llm = build(tiny_llama_ckpt)
+    for prompt in ragged_prompts(30, 3, 256, min_len=5, max_len=9):
+        llm.add_request(prompt, SamplingParams(max_tokens=4, ignore_eos=True))
+    llm.step()  # prefill the first three
+    for prompt in ragged_prompts(31, 2, 256, min_len=6, max_len=9):
+        llm.add_request(prompt, SamplingParams(max_tokens=4, ignore_eos=True))
+    inputs = llm.runner.prepare(llm.scheduler.schedule().scheduled)
+    meta = inputs.metadata
+    assert inputs.attention_parts is not None and len(inputs.attention_parts) == 2
+    (r0, r1, decode), (r2, r3, prefill) = inputs.attention_parts
+    assert (r0, r1, r2) == (0, 3, 3) and r3 == meta.slot_mapping.shape[0]
+    assert decode.is_decode_only and decode.query_start_loc.tolist() == [0, 1, 2, 3]
+    assert prefill.query_start_loc.tolist() == [q - 3 for q in meta.query_start_loc[3:].tolist()]
+    assert torch.equal(torch.cat([decode.slot_mapping, prefill.slot_mapping]), meta.slot_mapping)
+    assert torch.equal(torch.cat([decode.context_lens, prefill.context_lens]), meta.context_lens)
+    assert prefill.max_query_len == meta.max_query_len
+    assert max(decode.max_context_len, prefill.max_context_len) == meta.max_context_len

@@ -1,0 +1,65 @@
+"""The peer benchmark's table: servelab against the Hugging Face peers, per concurrency.
+
+``python run.py +experiment=peer_benchmark`` runs servelab's best configuration,
+``hf_continuous`` and ``hf_static`` on one seeded burst workload, interleaved by concurrency,
+in one multirun; at its end this callback prints (and writes ``peer_table.md/.csv``) one table:
+output tok/s and p50/p99 TTFT per engine, plus the ratios servelab / peer (tok/s: higher is
+better for servelab; TTFT: lower is better for servelab).
+``python -m experiments.peer_table <sweep dir>`` rebuilds it from the run folders.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+from experiments.report import collect, markdown_table, write_report
+from experiments.results import unique_path
+
+SERVELAB = "servelab"
+METRICS = {"output_throughput": "output tok/s", "ttft_s_p50": "TTFT p50 (s)", "ttft_s_p99": "TTFT p99 (s)"}
+
+
+def peer_table(frame: pd.DataFrame) -> pd.DataFrame:
+    """One row per (concurrency, engine) with the metrics and the servelab / engine ratios."""
+    done = frame[frame["status"] == "ok"]
+    rows: list[dict[str, Any]] = []
+    for concurrency, group in done.groupby("concurrency", sort=True):
+        ours = group[group["engine"] == SERVELAB]
+        for _, run in group.sort_values("engine", key=lambda s: s != SERVELAB).iterrows():
+            row = {"concurrency": concurrency, "engine": run["engine"]}
+            row.update({label: run[metric] for metric, label in METRICS.items()})
+            if not ours.empty and run["engine"] != SERVELAB:
+                best = ours.iloc[0]
+                row["servelab / this tok/s"] = best["output_throughput"] / run["output_throughput"]
+                row["servelab / this TTFT p50"] = best["ttft_s_p50"] / run["ttft_s_p50"]
+            rows.append(row)
+    failed = frame[frame["status"] != "ok"]
+    for _, run in failed.iterrows():
+        rows.append({"concurrency": run.get("concurrency"), "engine": run.get("engine"), "output tok/s": "failed"})
+    return pd.DataFrame(rows)
+
+
+def write_peer_table(root: Path) -> str:
+    table = peer_table(collect(root))
+    table.to_csv(unique_path(root / "peer_table.csv"), index=False)
+    text = markdown_table(table, list(table.columns))
+    unique_path(root / "peer_table.md").write_text(text + "\n")
+    return text
+
+
+class PeerTableCallback(Callback):
+    """Hydra callback: after the multirun, write the report and print the peer table."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        root = Path(config.hydra.sweep.dir)
+        write_report(root)
+        print(f"\npeer benchmark ({root}):\n{write_peer_table(root)}")
+
+
+if __name__ == "__main__":
+    print(write_peer_table(Path(sys.argv[1])))
