@@ -141,7 +141,8 @@ class ModelRunner:
         The scheduler lists running sequences (mostly decodes) before new admissions (prompts),
         so a mixed step is usually two runs. Attending per run keeps the decode rows on the
         backend's unpadded decode path; in one padded call every decode row would be padded to
-        the longest prompt (measured 3-6x slower steps at 32 sequences, docs/performance.md).
+        the longest prompt (31 decodes + one 124-token prompt, SmolLM2-135M on 2 CPU cores: 1130 ms
+        -> 581 ms per step; docs/performance.md).
         Returns ``None`` when splitting does not pay (a single run, or runs shorter than
         ``min_decode_run`` decode sequences).
         """

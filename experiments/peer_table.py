@@ -14,10 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
-from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from experiments.report import collect, markdown_table, write_report
+from experiments.report import ReportCallback, collect, markdown_table
 from experiments.results import unique_path
 
 SERVELAB = "servelab"
@@ -52,12 +51,12 @@ def write_peer_table(root: Path) -> str:
     return text
 
 
-class PeerTableCallback(Callback):
+class PeerTableCallback(ReportCallback):
     """Hydra callback: after the multirun, write the report and print the peer table."""
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        super().on_multirun_end(config, **kwargs)
         root = Path(config.hydra.sweep.dir)
-        write_report(root)
         print(f"\npeer benchmark ({root}):\n{write_peer_table(root)}")
 
 

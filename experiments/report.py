@@ -25,6 +25,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import yaml  # noqa: E402
+from hydra.experimental.callback import Callback  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
 
 from experiments.results import unique_path  # noqa: E402
 
@@ -214,6 +216,15 @@ def write_report(root: Path) -> list[Path]:
         plot_kv_over_time(root, frame, root / "kv_usage.png", axes),
     ]
     return written + [p for p in plots if p is not None]
+
+
+class ReportCallback(Callback):
+    """Hydra callback: write the report into the sweep folder when a multirun ends."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        written = write_report(Path(config.hydra.sweep.dir))
+        print(written[1].read_text())
+        print("\n".join(str(p) for p in written))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
