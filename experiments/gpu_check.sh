@@ -111,7 +111,8 @@ log "(a) CUDA tests"
 
 # ---- (b) roofline -------------------------------------------------------------------------------
 log "(b) roofline: qwen2.5-0.5b bfloat16"
-timeout 120 "$PYTHON" -m experiments.roofline --model qwen2.5-0.5b --dtype bfloat16 --device cuda \
+# (the first use builds the random Qwen2.5-0.5B checkpoint into $SERVELAB_CACHE: allow for it)
+timeout 240 "$PYTHON" -m experiments.roofline --model qwen2.5-0.5b --dtype bfloat16 --device cuda \
   --batch-sizes 1 32 128 256 --context 128 --out "$DEST/roofline" 2>&1 | tail -n 8 | tee -a "$DEST/gpu_check.log" || true
 timeout 120 "$PYTHON" -m experiments.roofline --model qwen2.5-0.5b --dtype bfloat16 --device cuda \
   --attention triton_paged --batch-sizes 1 32 128 256 --context 128 --out "$DEST/roofline_triton" 2>&1 \

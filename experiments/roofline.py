@@ -105,7 +105,8 @@ def time_decode_steps(llm, batch: int, context: int, steps: int, seed: int = 0) 
     generator = torch.Generator().manual_seed(seed)
     vocab = llm.model_config.vocab_size
     warmup = 2
-    params = SamplingParams(max_tokens=steps + warmup + 1, ignore_eos=True)
+    # Long enough to outlive admission: prompts may be prefilled over up to ``batch`` steps.
+    params = SamplingParams(max_tokens=steps + warmup + 1 + batch, ignore_eos=True)
     for _ in range(batch):
         prompt = torch.randint(min(5, vocab - 1), vocab, (context,), generator=generator).tolist()
         llm.add_request(prompt, params)
@@ -113,11 +114,15 @@ def time_decode_steps(llm, batch: int, context: int, steps: int, seed: int = 0) 
         llm.step()  # prefill (possibly over several steps)
     for _ in range(warmup):
         llm.step()
+    if llm.scheduler.num_running != batch:
+        raise RuntimeError(f"only {llm.scheduler.num_running} of {batch} sequences run together: raise capacity_tokens / max_num_seqs")
     times = []
     for _ in range(steps):
         start = time.perf_counter()
         llm.step()
         times.append(time.perf_counter() - start)
+    for seq in list(llm.scheduler.running):  # stop everyone after its next token (no abort API)
+        seq.sampling_params = dataclasses.replace(seq.sampling_params, max_tokens=seq.num_output_tokens + 1)
     while llm.has_unfinished():
         llm.step()
     return statistics.median(times)
@@ -145,8 +150,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     peak = measure_matmul_peak(device, dtype)
     print(f"machine: {device}, {torch.get_num_threads()} threads; bandwidth {bandwidth / 1e9:.1f} GB/s; "
           f"matmul peak {peak / 1e9:.1f} GFLOP/s ({args.dtype})")
+    # Room for every sequence's whole life at once, so all B run together (+1 block of slack each).
+    per_seq = args.context + args.steps + 4 + max(args.batch_sizes) + 16
     llm = LLM(model=args.model, device=str(device), dtype=args.dtype, attention=args.attention,
-              max_num_seqs=max(args.batch_sizes), prepack=prepack)
+              max_num_seqs=max(args.batch_sizes), capacity_tokens=max(16384, max(args.batch_sizes) * per_seq),
+              prepack=prepack)
     rows = []
     for batch in args.batch_sizes:
         measured = time_decode_steps(llm, batch, args.context, args.steps)
