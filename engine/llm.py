@@ -103,8 +103,7 @@ class LLM:
         self.prepacked = self.apply_prepack(prepack)
         mc: ModelConfig = self.model_config
         self.cache = instantiate(cfg.cache)
-        if hasattr(self.cache, "bind_model_limits"):  # contiguous: regions sized by the model's limit
-            self.cache.bind_model_limits(mc.max_model_len)
+        self.cache.bind_model_limits(mc.max_model_len)
         self.cache.allocate_tensors(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, self.dtype, self.device)
         self.scheduler = instantiate(cfg.scheduler, cache=self.cache, max_model_len=mc.max_model_len)
         self.attention = instantiate(cfg.attention)

@@ -61,6 +61,9 @@ class KVCacheStrategy(Protocol):
     ) -> None:
         """Create the K/V tensors once; called by the engine after the model is known."""
 
+    def bind_model_limits(self, max_model_len: int) -> None:
+        """Learn the model's longest context before any request (contiguous regions are sized by it)."""
+
     def max_tokens_per_seq(self) -> int:
         """The longest sequence this cache could ever hold (an empty pool, one sequence)."""
 

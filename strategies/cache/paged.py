@@ -40,6 +40,9 @@ class PagedCache:
             num_layers, self.num_blocks, self.block_size, num_kv_heads, head_dim, dtype, device
         )
 
+    def bind_model_limits(self, max_model_len: int) -> None:
+        return None  # blocks are handed out on demand: no per-sequence region to size
+
     def max_tokens_per_seq(self) -> int:
         return self.num_blocks * self.block_size
 
