@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Re-creates results/reference/: every experiment of conf/experiment/ on the default model
+# (SmolLM2-135M architecture, random weights, float32), one after another, plus the roofline probe.
+# Usage: scripts/reference_runs.sh [experiment ...]   (default: all). An existing folder is kept:
+# remove it first to rerun (nothing is overwritten silently).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+OUT=results/reference
+experiments=("$@")
+[ ${#experiments[@]} -gt 0 ] || experiments=(naive_vs_continuous squeezed_pool prefix_sharing memory_pressure
+  block_size_sweep decode_scaling concurrency_sweep peer_benchmark roofline)
+mkdir -p "$OUT"
+{ echo "date: $(date -u +%F)"; echo "machine: $(nproc) CPU cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), no GPU";
+  echo "torch: $($PY -c 'import torch; print(torch.__version__)')"; } > "$OUT/MACHINE.txt"
+for name in "${experiments[@]}"; do
+  if [ -e "$OUT/$name" ]; then echo "skip $name: $OUT/$name exists"; continue; fi
+  echo "=== $name $(date -u +%T)"
+  if [ "$name" = roofline ]; then
+    $PY -m experiments.roofline --out "$OUT/roofline"
+  else
+    $PY run.py +experiment="$name" hydra.sweep.dir="$OUT/$name" driver.progress=false
+  fi
+done
