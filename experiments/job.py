@@ -17,7 +17,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.driver import drive, warm_up
-from experiments.metrics import SLO, request_metrics, step_metrics
+from experiments.metrics import SLO, queueing_metrics, request_metrics, step_metrics
 from experiments.plots import plot_run
 from experiments.results import (
     requests_frame, steps_frame, summary_markdown, summary_table, unique_path, write_csv, write_json,
@@ -73,7 +73,11 @@ def _measure(cfg: DictConfig, out_dir: Path, summary: dict[str, Any]) -> list[Pa
         if close is not None:
             close()
     summary["wall_s"] = result.wall_s
-    summary["metrics"] = {**request_metrics(result.records, slo), **step_metrics(result.steps)}
+    summary["metrics"] = {
+        **request_metrics(result.records, slo),
+        **step_metrics(result.steps),
+        **queueing_metrics(result.records, result.steps),
+    }
     request_table, step_table = requests_frame(result.records, slo), steps_frame(result.steps)
     files.append(write_csv(request_table, out_dir / "requests.csv"))
     files.append(write_csv(step_table, out_dir / "steps.csv"))

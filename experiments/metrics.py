@@ -168,6 +168,20 @@ def decode_seconds_per_1k_context(steps: Sequence[dict[str, Any]]) -> float | No
     return float(np.polyfit(x, y, 1)[0] * 1000.0)
 
 
+def queued_steps(record: RequestRecord, steps: Sequence[dict[str, Any]]) -> int | None:
+    """Engine steps that ran while the request waited (arrival to first scheduled step):
+    pico-vllm's "queued for N decode steps". ``None`` if the engine does not report steps."""
+    if record.first_scheduled_s is None or not steps:
+        return None
+    return sum(1 for s in steps if record.arrival_s <= float(s["start_time"]) < record.first_scheduled_s)
+
+
+def queueing_metrics(records: Sequence[RequestRecord], steps: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The longest wait of any request, counted in engine steps."""
+    counts = [c for c in (queued_steps(r, steps) for r in records) if c is not None]
+    return {"max_queued_steps": max(counts) if counts else None}
+
+
 def step_metrics(steps: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Engine-side aggregates from per-step records (``None`` where an engine doesn't report a column).
 

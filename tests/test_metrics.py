@@ -5,7 +5,10 @@ import math
 
 import pytest
 
-from experiments.metrics import SLO, decode_seconds_per_1k_context, distribution, e2e, itls, meets_slo, request_metrics, step_metrics, tpot, ttft
+from experiments.metrics import (
+    SLO, decode_seconds_per_1k_context, distribution, e2e, itls, meets_slo, queued_steps, queueing_metrics,
+    request_metrics, step_metrics, tpot, ttft,
+)
 from experiments.records import RequestRecord
 
 
@@ -91,3 +94,13 @@ def test_decode_cost_per_1k_context_tokens() -> None:
     steps.append({"num_prefill_tokens": 500, "num_decode_tokens": 0, "kv_used_tokens": 500, "duration_s": 9.0})
     assert decode_seconds_per_1k_context(steps) == pytest.approx(0.0135)
     assert decode_seconds_per_1k_context(steps[:2]) is None
+
+
+def test_queued_steps_counts_steps_run_while_waiting() -> None:
+    steps = [{"start_time": t} for t in (0.0, 0.1, 0.2, 0.3, 0.4, 0.5)]
+    late = record("late", 0.05, [0.6], scheduled=0.4)  # steps at 0.1, 0.2, 0.3 ran while it waited
+    assert queued_steps(late, steps) == 3
+    assert queued_steps(A, steps) == 1  # arrived at 0.0, first scheduled at 0.1: the 0.0 step ran without it
+    assert queued_steps(B, steps) is None  # the engine did not say when it was scheduled
+    assert queueing_metrics([A, late, B], steps) == {"max_queued_steps": 3}
+    assert queueing_metrics([A], []) == {"max_queued_steps": None}
