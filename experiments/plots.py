@@ -13,7 +13,8 @@ import pandas as pd  # noqa: E402
 from experiments.results import unique_path  # noqa: E402
 
 
-def _save(fig: plt.Figure, path: Path) -> Path:
+def save_figure(fig: plt.Figure, path: Path) -> Path:
+    """Save ``fig`` as PNG at ``path`` (or a suffixed name if it exists) and close it."""
     path = unique_path(path)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -35,7 +36,7 @@ def plot_kv_usage(steps: pd.DataFrame, path: Path) -> Path | None:
             ax.step(steps["end_time"], steps[column], where="post", label=label)
     ax.set(xlabel="time since run start (s)", ylabel="KV tokens", title="KV cache usage")
     ax.legend()
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_batch(steps: pd.DataFrame, path: Path) -> Path | None:
@@ -53,7 +54,7 @@ def plot_batch(steps: pd.DataFrame, path: Path) -> Path | None:
                label="decode tokens", width=1.0)
     bottom.set(xlabel="step", ylabel="tokens")
     bottom.legend()
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_ttft(requests: pd.DataFrame, path: Path) -> Path | None:
@@ -66,7 +67,7 @@ def plot_ttft(requests: pd.DataFrame, path: Path) -> Path | None:
     hist.set(xlabel="TTFT (s)", ylabel="requests", title="TTFT histogram")
     cdf.step(values, np.arange(1, len(values) + 1) / len(values), where="post")
     cdf.set(xlabel="TTFT (s)", ylabel="fraction of requests", title="TTFT CDF", ylim=(0, 1.02))
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_run(requests: pd.DataFrame, steps: pd.DataFrame, out_dir: Path) -> list[Path]:

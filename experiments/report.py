@@ -28,6 +28,7 @@ import yaml  # noqa: E402
 from hydra.experimental.callback import Callback  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
+from experiments.plots import save_figure  # noqa: E402
 from experiments.results import unique_path  # noqa: E402
 
 LABEL_COLUMNS = ["engine", "model", "cache", "scheduler", "attention", "workload", "concurrency", "block_size",
@@ -124,14 +125,6 @@ def markdown_table(frame: pd.DataFrame, columns: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
-def _save(fig: plt.Figure, path: Path) -> Path:
-    path = unique_path(path)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
 def plot_vs(frame: pd.DataFrame, x: str, metrics: Sequence[tuple[str, str]], path: Path, groups: Sequence[str]) -> Path | None:
     """One subplot per metric, one line per strategy (the other varying columns), x on the axis."""
     ok = frame[frame["status"] == "ok"].dropna(subset=[x])
@@ -146,7 +139,7 @@ def plot_vs(frame: pd.DataFrame, x: str, metrics: Sequence[tuple[str, str]], pat
         if x == "concurrency" or x == "block_size":
             ax.set_xscale("log", base=2)
         ax.legend(fontsize=7)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_ttft_cdf(root: Path, frame: pd.DataFrame, path: Path, groups: Sequence[str]) -> Path | None:
@@ -166,7 +159,7 @@ def plot_ttft_cdf(root: Path, frame: pd.DataFrame, path: Path, groups: Sequence[
         return None
     ax.set(xlabel="TTFT (s)", ylabel="fraction of requests", title="TTFT CDF", ylim=(0, 1.02))
     ax.legend(fontsize=7)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_kv_over_time(root: Path, frame: pd.DataFrame, path: Path, groups: Sequence[str]) -> Path | None:
@@ -189,7 +182,7 @@ def plot_kv_over_time(root: Path, frame: pd.DataFrame, path: Path, groups: Seque
         return None
     ax.set(xlabel="time since run start (s)", ylabel="KV tokens", title="KV used (solid) / reserved (dashed)")
     ax.legend(fontsize=7)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def write_report(root: Path) -> list[Path]:
