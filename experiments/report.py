@@ -28,6 +28,7 @@ import yaml  # noqa: E402
 from hydra.experimental.callback import Callback  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
+from experiments.metrics import decode_seconds_per_1k_context  # noqa: E402
 from experiments.plots import save_figure  # noqa: E402
 from experiments.results import unique_path  # noqa: E402
 
@@ -37,7 +38,7 @@ REPORT_FILES = ["report.csv", "report.md", "throughput_vs_concurrency.png", "ttf
                 "block_size_sweep.png", "ttft_cdf.png", "kv_usage.png"]
 MARKDOWN_METRICS = ["output_throughput", "request_throughput", "ttft_s_p50", "ttft_s_p99", "tpot_s_mean",
                     "e2e_s_p50", "goodput", "wasted_slots", "forward_passes", "preemptions", "max_queued_steps", "prefix_hit_tokens",
-                    "mean_kv_used_reserved_ratio", "decode_s_per_1k_context_tokens"]
+                    "mean_kv_used_reserved_ratio", "decode_step_s_p50", "decode_kv_tokens_p50"]
 
 
 def job_dirs(root: Path) -> list[Path]:
@@ -185,6 +186,21 @@ def plot_kv_over_time(root: Path, frame: pd.DataFrame, path: Path, groups: Seque
     return save_figure(fig, path)
 
 
+def decode_scaling_lines(frame: pd.DataFrame) -> list[str]:
+    """When runs differ in context size: the decode-step cost per 1,000 context tokens, fitted
+    over each run's median decode step (nano-vLLM's measure)."""
+    if not {"decode_kv_tokens_p50", "decode_step_s_p50"} <= set(frame.columns):
+        return []
+    runs = frame[(frame["status"] == "ok")].dropna(subset=["decode_kv_tokens_p50", "decode_step_s_p50"])
+    if "context_len" not in " ".join(axis_columns(frame)):
+        return []
+    slope = decode_seconds_per_1k_context(list(zip(runs["decode_kv_tokens_p50"], runs["decode_step_s_p50"])))
+    if slope is None:
+        return []
+    return [f"Decode step cost: {slope * 1000:.1f} ms per 1,000 context tokens (least-squares over {len(runs)} runs' "
+            "median decode-only step vs their KV tokens in use).", ""]
+
+
 def write_report(root: Path) -> list[Path]:
     frame = collect(root)
     axes = axis_columns(frame)
@@ -193,7 +209,7 @@ def write_report(root: Path) -> list[Path]:
     reported = [m for m in MARKDOWN_METRICS if m in frame and frame[m].notna().any()]
     headline = ["job", "status", *axes, *reported, "error"]
     md = [f"# servelab report: {root}", "", f"{len(frame)} runs, {int((frame['status'] != 'ok').sum())} failed.", "",
-          markdown_table(frame, headline), ""]
+          markdown_table(frame, headline), "", *decode_scaling_lines(frame)]
     written.append(unique_path(root / "report.md"))
     written[-1].write_text("\n".join(md))
     not_x = lambda x: [c for c in axes if c not in (x, f"override:{x}")]  # noqa: E731

@@ -6,7 +6,7 @@ import math
 import pytest
 
 from experiments.metrics import (
-    SLO, decode_seconds_per_1k_context, distribution, e2e, itls, meets_slo, queued_steps, queueing_metrics,
+    SLO, decode_points, decode_seconds_per_1k_context, distribution, e2e, itls, meets_slo, queued_steps, queueing_metrics,
     request_metrics, step_metrics, tpot, ttft,
 )
 from experiments.records import RequestRecord
@@ -92,8 +92,13 @@ def test_decode_cost_per_1k_context_tokens() -> None:
     steps = [{"num_prefill_tokens": 0, "num_decode_tokens": 4, "kv_used_tokens": kv, "duration_s": 0.05 + 13.5e-6 * kv}
              for kv in (1000, 2000, 4000, 8000)]
     steps.append({"num_prefill_tokens": 500, "num_decode_tokens": 0, "kv_used_tokens": 500, "duration_s": 9.0})
-    assert decode_seconds_per_1k_context(steps) == pytest.approx(0.0135)
-    assert decode_seconds_per_1k_context(steps[:2]) is None
+    points = decode_points(steps)
+    assert len(points) == 4
+    assert decode_seconds_per_1k_context(points) == pytest.approx(0.0135)
+    assert decode_seconds_per_1k_context(points[:1]) is None
+    m = step_metrics(steps)
+    assert m["decode_step_s_p50"] == pytest.approx(0.05 + 13.5e-6 * 3000)
+    assert m["decode_kv_tokens_p50"] == pytest.approx(3000)
 
 
 def test_queued_steps_counts_steps_run_while_waiting() -> None:
@@ -104,3 +109,17 @@ def test_queued_steps_counts_steps_run_while_waiting() -> None:
     assert queued_steps(B, steps) is None  # the engine did not say when it was scheduled
     assert queueing_metrics([A, late, B], steps) == {"max_queued_steps": 3}
     assert queueing_metrics([A], []) == {"max_queued_steps": None}
+
+
+def test_report_fits_decode_cost_across_runs_of_different_context() -> None:
+    import pandas as pd
+
+    from experiments.report import decode_scaling_lines
+
+    kv = [1000.0, 2000.0, 4000.0]
+    frame = pd.DataFrame({
+        "job": ["0", "1", "2"], "status": ["ok"] * 3, "override:workload.context_len": [250, 500, 1000],
+        "decode_kv_tokens_p50": kv, "decode_step_s_p50": [0.05 + 13.5e-6 * x for x in kv],
+    })
+    assert "13.5 ms per 1,000 context tokens" in decode_scaling_lines(frame)[0]
+    assert decode_scaling_lines(frame.drop(columns="override:workload.context_len")) == []
