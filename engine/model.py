@@ -87,6 +87,7 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim, self.max_positions, self.theta = head_dim, max_positions, theta
         self.register_buffer("cos_sin", self._table(None), persistent=False)
+        self.register_buffer("sin_sign", self._sign(None), persistent=False)
 
     def _table(self, device: torch.device | None) -> torch.Tensor:
         exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=device).float() / self.head_dim
@@ -96,20 +97,36 @@ class RotaryEmbedding(nn.Module):
         angles = torch.cat((angles, angles), dim=-1)
         return torch.stack((angles.cos(), angles.sin()), dim=1)
 
+    def _sign(self, device: torch.device | None) -> torch.Tensor:
+        half = self.head_dim // 2
+        return torch.cat((torch.full((half,), -1.0, device=device), torch.ones(half, device=device)))
+
     def rebuild(self, device: torch.device | str) -> None:
         """Recompute the table on ``device`` (used after building the model on ``meta``)."""
         self.cos_sin = self._table(torch.device(device))
+        self.sin_sign = self._sign(torch.device(device))
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``cos, sin`` of shape ``[T, 1, head_dim]`` in ``dtype`` (broadcast over heads)."""
+        """``cos, signed_sin`` of shape ``[T, 1, head_dim]`` in ``dtype`` (broadcast over heads).
+
+        ``signed_sin`` is ``sin`` with its first half negated: :func:`apply_rope` multiplies it
+        with the swapped halves ``cat(x2, x1)``, which gives ``rotate_half(x) * sin`` exactly
+        (a sign flip is exact) without a negation kernel per layer.
+        """
         cos, sin = self.cos_sin[positions].to(dtype).unbind(1)
-        return cos.unsqueeze(1), sin.unsqueeze(1)
+        return cos.unsqueeze(1), (sin * self.sin_sign.to(dtype)).unsqueeze(1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [T, heads, head_dim]``: ``x * cos + rotate_half(x) * sin``."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [T, heads, head_dim]``: HF's ``x * cos + rotate_half(x) * sin``.
+
+    ``rotate_half(x) * sin = cat(-x2, x1) * sin = cat(x2, x1) * signed_sin`` (see
+    :meth:`RotaryEmbedding.forward`); swapping the halves is one ``flip`` of a ``[.., 2, D/2]``
+    view, so RoPE is three kernels (flip, mul, addcmul) instead of five. ``x`` may be a strided
+    view (q and k straight out of the fused qkv output); the result is contiguous.
+    """
+    swapped = x.unflatten(-1, (2, x.shape[-1] // 2)).flip(-2).flatten(-2)
+    return torch.addcmul(x * cos, swapped, signed_sin)
 
 
 class Attention(nn.Module):
@@ -135,10 +152,11 @@ class Attention(nn.Module):
         parts: AttentionParts | None = None,
     ) -> torch.Tensor:
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(T, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(T, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x).view(T, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        qk_heads = self.num_heads + self.num_kv_heads
+        # RoPE on q and k together: one call over the first Hq + Hkv heads of the qkv output.
+        q, k = apply_rope(qkv[:, :qk_heads], cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, qk_heads:]
         if parts is None:
             out = attention.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale)
         else:  # a mixed step, attended per run of sequences (see CausalLM.forward)

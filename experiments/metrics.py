@@ -106,6 +106,8 @@ def request_metrics(records: Sequence[RequestRecord], slo: SLO) -> dict[str, Any
         "total_token_throughput": _per_second(prompt + output, duration),
         "num_good_requests": good,
         "goodput": _per_second(good, duration),
+        # share of prompt tokens served by prefix-cache hits (vLLM's prefix cache hit rate, in tokens)
+        "prefix_hit_rate": sum(r.num_cached_tokens for r in records) / prompt if prompt else None,
     }
     series = {
         "ttft_s": [ttft(r) for r in records],

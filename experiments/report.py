@@ -37,7 +37,7 @@ LABEL_COLUMNS = ["engine", "model", "cache", "scheduler", "attention", "workload
 REPORT_FILES = ["report.csv", "report.md", "throughput_vs_concurrency.png", "ttft_vs_concurrency.png",
                 "block_size_sweep.png", "ttft_cdf.png", "kv_usage.png"]
 MARKDOWN_METRICS = ["output_throughput", "request_throughput", "ttft_s_p50", "ttft_s_p99", "tpot_s_mean",
-                    "e2e_s_p50", "goodput", "wasted_slots", "forward_passes", "preemptions", "max_queued_steps", "prefix_hit_tokens",
+                    "e2e_s_p50", "goodput", "wasted_slots", "forward_passes", "preemptions", "max_queued_steps", "prefix_hit_tokens", "prefix_hit_rate",
                     "mean_kv_used_reserved_ratio", "decode_step_s_p50", "decode_kv_tokens_p50"]
 
 

@@ -1,6 +1,7 @@
 """Serving metrics against hand-computed values on synthetic timestamps."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -56,6 +57,9 @@ def test_run_metrics() -> None:
     assert m["itl_s_mean"] == pytest.approx((0.2 + 0.3 + 0.1 + 0.2 + 0.2) / 5)
     assert m["queue_s_mean"] == pytest.approx(0.1)  # only A reports first_scheduled
     assert m["goodput"] == pytest.approx(1.0)  # no SLO: every request is good
+    assert m["prefix_hit_rate"] == 0.0
+    shared = dataclasses.replace(C, num_cached_tokens=16)  # 16 of C's 30 prompt tokens were cache hits
+    assert request_metrics([A, B, shared], SLO())["prefix_hit_rate"] == pytest.approx(16 / 60)
 
 
 def test_goodput_counts_requests_meeting_every_slo() -> None:

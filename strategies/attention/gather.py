@@ -14,11 +14,17 @@ heads per KV head) is moved onto the KV head it shares, giving grouped queries o
 ``[num_kv_heads, B, Q * G, head_dim]`` (row ``q * G + g``). One batched matmul over the
 ``(num_kv_heads, B)`` axes then serves all ``G`` query heads from a single copy of each KV head.
 The KV-head axis leads so that the gather writes K/V directly in the layout the matmuls read
-(no transpose copy of the gathered context).
+(no transpose copy of the gathered context). Decode-only steps (one query row per sequence)
+use the batch-major layout instead: queries ``[B, Hkv, G, D]`` are then a free view of the flat
+``[B, Hq, D]`` rows, and the output views straight back (no copy of either).
+
+Everything derived from the metadata alone (the slot index of every gathered row, the masks,
+the padding layout) is a :class:`StepLayout`, built by the first layer of a step and reused
+by the other layers through :meth:`AttentionMetadata.cached`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,24 +32,58 @@ from engine.attention_metadata import AttentionMetadata
 
 
 @dataclass
+class StepLayout:
+    """The metadata-only part of a gather step, computed once per step and shared by all layers.
+
+    Attributes:
+        rows: flat ``index_select`` indices into the cache seen as ``[-1, head_dim]`` (row
+            ``slot * Hkv + kv_head``), in the gathered tensor's order.
+        shape: shape of the gathered K/V without ``head_dim``: ``(B, Hkv, L)`` for decode-only
+            steps, ``(Hkv, B, L)`` otherwise.
+        mask: bool, True where a query row may attend to a key; ``[B, 1, 1, L]`` for
+            decode-only steps, ``[1, B, Q * G, L]`` otherwise.
+        seq_ids / row_ids: ``[T]`` sequence of every flat query row and its index inside the
+            sequence (None for decode-only steps).
+    """
+
+    rows: torch.Tensor
+    shape: tuple[int, int, int]
+    mask: torch.Tensor
+    seq_ids: torch.Tensor | None
+    row_ids: torch.Tensor | None
+    _additive: dict[torch.dtype, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """``mask`` as ``0 / -inf`` in ``dtype`` (built once per step and dtype): what SDPA turns
+        a bool mask into on every call, and what a decode matmul adds to its scores."""
+        if dtype not in self._additive:
+            bias = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device)
+            self._additive[dtype] = bias.masked_fill_(~self.mask, float("-inf"))
+        return self._additive[dtype]
+
+
+@dataclass
 class GroupedBatch:
     """A step rearranged for dense attention (``G`` = query heads per KV head).
 
     Attributes:
-        query: ``[Hkv, B, Q * G, D]`` grouped, padded queries (``Q = max_query_len``).
-        key: ``[Hkv, B, L, D]`` gathered context keys (``L = max_context_len``).
-        value: ``[Hkv, B, L, D]`` gathered context values.
-        mask: bool, broadcastable to ``[1, B, Q * G, L]``; True where a row may attend to a key.
-        seq_ids: ``[T]`` sequence of every flat query row (None for decode-only steps).
-        row_ids: ``[T]`` index of every flat query row inside its sequence (None for decode).
+        query: grouped queries: ``[B, Hkv, G, D]`` (a view) for decode-only steps, else
+            ``[Hkv, B, Q * G, D]`` padded (``Q = max_query_len``).
+        key: gathered context keys, ``[B, Hkv, L, D]`` for decode-only steps, else
+            ``[Hkv, B, L, D]`` (``L = max_context_len``).
+        value: gathered context values, same layout as ``key``.
+        layout: the step's :class:`StepLayout` (mask, row ids), shared by every layer.
     """
 
     query: torch.Tensor
     key: torch.Tensor
     value: torch.Tensor
-    mask: torch.Tensor
-    seq_ids: torch.Tensor | None
-    row_ids: torch.Tensor | None
+    layout: StepLayout
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """Bool, broadcastable to the scores; True where a row may attend to a key."""
+        return self.layout.mask
 
 
 def context_slots(metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,25 +102,53 @@ def context_slots(metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tens
     return torch.where(valid, slots, slots[:, :1]), valid
 
 
-def gather_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Copy each sequence's context out of the paged cache: ``(key, value, valid)``.
+def build_layout(metadata: AttentionMetadata, num_heads: int, num_kv_heads: int) -> StepLayout:
+    """Compute a step's :class:`StepLayout` (use :func:`step_layout`, which caches it)."""
+    slots, valid = context_slots(metadata)
+    device = slots.device
+    heads = torch.arange(num_kv_heads, device=device)
+    num_seqs = metadata.num_seqs
+    if metadata.is_decode_only:
+        rows = slots[:, None, :] * num_kv_heads + heads[None, :, None]  # [B, Hkv, L]
+        return StepLayout(rows.view(-1), tuple(rows.shape), valid[:, None, None, :], None, None)
 
-    key/value are ``[Hkv, B, L, D]``, contiguous, each built by one ``index_select`` of
-    ``head_dim``-long rows (row ``slot * Hkv + kv_head`` of the cache seen as ``[-1, D]``),
-    which writes the KV-head-major layout directly; valid is ``[B, L]``.
+    rows = slots[None] * num_kv_heads + heads[:, None, None]  # [Hkv, B, L]
+    group = num_heads // num_kv_heads
+    max_q = metadata.max_query_len
+    num_tokens = int(metadata.slot_mapping.shape[0])
+    seq_ids = torch.repeat_interleave(
+        torch.arange(num_seqs, device=device), metadata.query_lens.long(), output_size=num_tokens
+    )
+    row_ids = torch.arange(num_tokens, device=device) - metadata.query_start_loc.long()[seq_ids]
+    first_pos = (metadata.context_lens - metadata.query_lens).long()
+    query_pos = first_pos[:, None] + torch.arange(max_q, device=device)  # [B, Q]
+    key_pos = torch.arange(metadata.max_context_len, device=device)
+    causal = key_pos[None, None, :] <= query_pos[:, :, None]  # [B, Q, L]
+    mask = causal.repeat_interleave(group, dim=1)[None]  # [1, B, Q * G, L]
+    return StepLayout(rows.view(-1), tuple(rows.shape), mask, seq_ids, row_ids)
+
+
+def step_layout(metadata: AttentionMetadata, num_heads: int, num_kv_heads: int) -> StepLayout:
+    """The step's :class:`StepLayout`, built by the first layer that asks and reused by the rest."""
+    key = ("gather.layout", num_heads, num_kv_heads, metadata.block_tables.device)
+    return metadata.cached(key, lambda: build_layout(metadata, num_heads, num_kv_heads))
+
+
+def gather_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, layout: StepLayout
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copy each sequence's context out of the paged cache: ``(key, value)`` in ``layout.shape + (D,)``.
+
+    Each is one ``index_select`` of ``head_dim``-long rows (row ``slot * Hkv + kv_head`` of the
+    cache seen as ``[-1, D]``), which writes the attention layout directly.
     """
     # vLLM's fused paged-attention kernel replaces this gather: it reads K/V block by block
-    # through the block table inside the kernel, so no [Hkv, B, L, D] copy exists.
-    num_kv_heads, head_dim = k_cache.shape[-2], k_cache.shape[-1]
-    slots, valid = context_slots(metadata)
-    heads = torch.arange(num_kv_heads, device=slots.device)
-    rows = (slots[None] * num_kv_heads + heads[:, None, None]).view(-1)
-    shape = (num_kv_heads, *slots.shape, head_dim)
-    key = k_cache.view(-1, head_dim).index_select(0, rows).view(shape)
-    value = v_cache.view(-1, head_dim).index_select(0, rows).view(shape)
-    return key, value, valid
+    # through the block table inside the kernel, so no gathered copy exists.
+    head_dim = k_cache.shape[-1]
+    shape = (*layout.shape, head_dim)
+    key = k_cache.view(-1, head_dim).index_select(0, layout.rows).view(shape)
+    value = v_cache.view(-1, head_dim).index_select(0, layout.rows).view(shape)
+    return key, value
 
 
 def group_step(
@@ -97,37 +165,30 @@ def group_step(
     num_kv_heads = k_cache.shape[-2]
     group = num_heads // num_kv_heads
     num_seqs = metadata.num_seqs
-    key, value, valid = gather_kv(k_cache, v_cache, metadata)
-    if metadata.is_decode_only:
-        grouped = query.view(num_seqs, num_kv_heads, group, head_dim).transpose(0, 1)
-        mask = valid[None, :, None, :]  # [1, B, 1, L]: broadcasts over the G rows
-        return GroupedBatch(grouped, key, value, mask, None, None)
+    layout = step_layout(metadata, num_heads, num_kv_heads)
+    key, value = gather_kv(k_cache, v_cache, layout)
+    if layout.seq_ids is None:
+        grouped = query.view(num_seqs, num_kv_heads, group, head_dim)
+        return GroupedBatch(grouped, key, value, layout)
 
     max_q = metadata.max_query_len
-    seq_ids = torch.repeat_interleave(
-        torch.arange(num_seqs, device=query.device), metadata.query_lens.long(), output_size=num_tokens
-    )
-    row_ids = torch.arange(num_tokens, device=query.device) - metadata.query_start_loc.long()[seq_ids]
     padded = query.new_zeros(num_seqs, max_q, num_heads, head_dim)
-    padded[seq_ids, row_ids] = query
+    padded[layout.seq_ids, layout.row_ids] = query
     grouped = (
         padded.view(num_seqs, max_q, num_kv_heads, group, head_dim)
         .permute(2, 0, 1, 3, 4)
         .reshape(num_kv_heads, num_seqs, max_q * group, head_dim)
     )
-    first_pos = (metadata.context_lens - metadata.query_lens).long()
-    query_pos = first_pos[:, None] + torch.arange(max_q, device=query.device)  # [B, Q]
-    key_pos = torch.arange(metadata.max_context_len, device=query.device)
-    causal = key_pos[None, None, :] <= query_pos[:, :, None]  # [B, Q, L]
-    mask = causal.repeat_interleave(group, dim=1)[None]  # [1, B, Q * G, L]
-    return GroupedBatch(grouped, key, value, mask, seq_ids, row_ids)
+    return GroupedBatch(grouped, key, value, layout)
 
 
 def ungroup_output(out: torch.Tensor, batch: GroupedBatch, num_heads: int) -> torch.Tensor:
-    """Undo :func:`group_step`: ``[Hkv, B, Q * G, D]`` -> flat ``[T, Hq, D]`` (padding dropped)."""
+    """Undo :func:`group_step`: grouped output (same layout as ``batch.query``) -> flat ``[T, Hq, D]``."""
+    layout = batch.layout
+    if layout.seq_ids is None:  # [B, Hkv, G, D]
+        num_seqs, head_dim = out.shape[0], out.shape[-1]
+        return out.reshape(num_seqs, num_heads, head_dim)
     num_kv_heads, num_seqs, rows, head_dim = out.shape
-    if batch.seq_ids is None:
-        return out.transpose(0, 1).reshape(num_seqs, num_heads, head_dim)
     group = num_heads // num_kv_heads
     max_q = rows // group
     per_row = (
@@ -135,4 +196,27 @@ def ungroup_output(out: torch.Tensor, batch: GroupedBatch, num_heads: int) -> to
         .permute(1, 2, 0, 3, 4)
         .reshape(num_seqs, max_q, num_heads, head_dim)
     )
-    return per_row[batch.seq_ids, batch.row_ids]
+    return per_row[layout.seq_ids, layout.row_ids]
+
+
+def decode_attention(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Attention for a decode-only step (one query row per sequence) as matmul / softmax / matmul.
+
+    ``query [B, Hq, D]`` is viewed as ``[B, Hkv, G, D]`` and multiplied against the gathered
+    ``[B, Hkv, L, D]`` keys: one small batched matmul, the step's cached ``0 / -inf`` length
+    mask added to the scores, softmax (float32 whatever the dtype), one batched matmul against
+    the values, and the ``[B, Hkv, G, D]`` output is already the flat ``[B, Hq, D]`` layout.
+    On CPU this beats SDPA's flash kernel, whose per-call cost is sized for many query rows
+    (docs/performance.md, section 8).
+    """
+    num_seqs, num_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[-2]
+    layout = step_layout(metadata, num_heads, num_kv_heads)
+    key, value = gather_kv(k_cache, v_cache, layout)
+    grouped = query.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    scores = torch.matmul(grouped, key.transpose(-1, -2)).float()  # [B, Hkv, G, L]
+    scores = scores.mul_(scale).add_(layout.additive_mask(torch.float32))
+    probs = torch.softmax(scores, dim=-1).to(value.dtype)
+    return torch.matmul(probs, value).view(num_seqs, num_heads, head_dim)
