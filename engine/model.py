@@ -48,13 +48,15 @@ class Linear(nn.Linear):
     """``nn.Linear`` that can also run through a oneDNN-prepacked copy of its weight.
 
     Same parameters and state-dict names as ``nn.Linear``. After :meth:`CausalLM.prepack`,
-    inputs with at least ``min_rows`` rows use the packed weight: on this project's CPUs
-    (AMD EPYC, MKL sgemm) it measured 1.3-2.3x faster for 8-32 rows; a single row stays on
-    ``F.linear`` (MKL was faster there).
+    inputs with at least ``min_rows`` rows (default 1: every input) use the packed weight: on
+    this project's CPUs (AMD EPYC, MKL sgemm) it measured 1.3-2.3x faster for 8-32 rows, and
+    1.3x (layers) / 1.8x (LM head) faster for a single row once the weights come from memory
+    as they do in a real forward (a hot-cache loop over one weight had favoured MKL for 1 row;
+    docs/performance.md, section 8).
     """
 
     packed: torch.Tensor | None = None
-    min_rows: int = 2
+    min_rows: int = 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and x.dim() == 2 and x.shape[0] >= self.min_rows:
@@ -71,6 +73,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused kernel, bit-equal to the HF form below in float32
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
@@ -122,11 +126,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
 
     ``rotate_half(x) * sin = cat(-x2, x1) * sin = cat(x2, x1) * signed_sin`` (see
     :meth:`RotaryEmbedding.forward`); swapping the halves is one ``flip`` of a ``[.., 2, D/2]``
-    view, so RoPE is three kernels (flip, mul, addcmul) instead of five. ``x`` may be a strided
-    view (q and k straight out of the fused qkv output); the result is contiguous.
+    view, so RoPE is four kernels (flip, mul, mul, add) instead of five, and the model calls it
+    once for q and k together. Bit-equal to the HF form (``addcmul`` measured 1.2x faster but
+    is not: its fused multiply-add rounds once). ``x`` may be a strided view (q and k straight
+    out of the fused qkv output); the result is contiguous.
     """
     swapped = x.unflatten(-1, (2, x.shape[-1] // 2)).flip(-2).flatten(-2)
-    return torch.addcmul(x * cos, swapped, signed_sin)
+    return x * cos + swapped * signed_sin
 
 
 class Attention(nn.Module):
@@ -177,7 +183,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        # SiLU in place on the (fresh) gate_up output, then one multiply: one temporary fewer.
+        return self.down_proj(F.silu(gate, inplace=True).mul(up))
 
 
 class DecoderLayer(nn.Module):
@@ -223,9 +230,9 @@ class CausalLM(nn.Module):
             None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
         )
         self.logits_packed: torch.Tensor | None = None
-        self.logits_min_rows = 2
+        self.logits_min_rows = 1
 
-    def prepack(self, min_rows: int = 2, batch_hint: int = 32) -> None:
+    def prepack(self, min_rows: int = 1, batch_hint: int = 32) -> None:
         """Give every projection (and the LM head) a oneDNN-prepacked weight copy.
 
         CPU float32 only (see :func:`onednn_linear_supported`). Costs one extra copy of the

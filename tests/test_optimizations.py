@@ -78,13 +78,19 @@ def test_prepacked_logits_close_to_plain(odd_ckpt):
 
 
 @needs_onednn
-def test_single_row_uses_plain_linear_and_many_rows_use_packed(tiny_llama_ckpt):
+def test_packed_linear_serves_one_and_many_rows_and_min_rows_falls_back(tiny_llama_ckpt):
+    """Packed for every row count by default (1 row included: faster once weights are cold,
+    docs/performance.md section 8); below ``min_rows`` the plain ``F.linear`` runs, bit-equal."""
     llm = build(tiny_llama_ckpt, prepack=True)
     layer = llm.model.layers[0].mlp.gate_up_proj
+    assert layer.min_rows == 1 and llm.model.logits_min_rows == 1
     x = torch.randn(5, layer.in_features)
+    plain = torch.nn.functional.linear
     with torch.inference_mode():
-        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
-        assert torch.equal(layer(x[:1]), torch.nn.functional.linear(x[:1], layer.weight))
+        torch.testing.assert_close(layer(x), plain(x, layer.weight), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(layer(x[:1]), plain(x[:1], layer.weight), rtol=1e-5, atol=1e-5)
+        layer.min_rows = 2
+        assert torch.equal(layer(x[:1]), plain(x[:1], layer.weight))
 
 
 def test_prepack_rejected_where_unsupported(tiny_llama_ckpt):

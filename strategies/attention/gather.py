@@ -198,25 +198,3 @@ def ungroup_output(out: torch.Tensor, batch: GroupedBatch, num_heads: int) -> to
     )
     return per_row[layout.seq_ids, layout.row_ids]
 
-
-def decode_attention(
-    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
-) -> torch.Tensor:
-    """Attention for a decode-only step (one query row per sequence) as matmul / softmax / matmul.
-
-    ``query [B, Hq, D]`` is viewed as ``[B, Hkv, G, D]`` and multiplied against the gathered
-    ``[B, Hkv, L, D]`` keys: one small batched matmul, the step's cached ``0 / -inf`` length
-    mask added to the scores, softmax (float32 whatever the dtype), one batched matmul against
-    the values, and the ``[B, Hkv, G, D]`` output is already the flat ``[B, Hq, D]`` layout.
-    On CPU this beats SDPA's flash kernel, whose per-call cost is sized for many query rows
-    (docs/performance.md, section 8).
-    """
-    num_seqs, num_heads, head_dim = query.shape
-    num_kv_heads = k_cache.shape[-2]
-    layout = step_layout(metadata, num_heads, num_kv_heads)
-    key, value = gather_kv(k_cache, v_cache, layout)
-    grouped = query.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    scores = torch.matmul(grouped, key.transpose(-1, -2)).float()  # [B, Hkv, G, L]
-    scores = scores.mul_(scale).add_(layout.additive_mask(torch.float32))
-    probs = torch.softmax(scores, dim=-1).to(value.dtype)
-    return torch.matmul(probs, value).view(num_seqs, num_heads, head_dim)

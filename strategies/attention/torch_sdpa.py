@@ -14,10 +14,10 @@ which kernel SDPA picks depends on device, dtype and mask. Grouping never copies
 
 Per step, not per layer: the gather's slot indices and the mask (passed to SDPA already as the
 ``0 / -inf`` float tensor SDPA would otherwise rebuild from a bool mask on every call) come
-from the step's cached :class:`~strategies.attention.gather.StepLayout`. On CPU, decode-only
-steps skip SDPA for :func:`~strategies.attention.gather.decode_attention` (batched matmul,
-softmax, matmul): the CPU flash kernel is sized for many query rows, a decode step has ``G``
-per KV head (docs/performance.md, section 8).
+from the step's cached :class:`~strategies.attention.gather.StepLayout`. A decode-specialised
+matmul / softmax / matmul path instead of SDPA was measured and rejected: on an uncontended
+CPU the flash kernel was faster at B = 1 / 8 / 32 and contexts 128 / 1024 (docs/performance.md,
+section 8).
 """
 from __future__ import annotations
 
@@ -26,15 +26,13 @@ import torch.nn.functional as F
 
 from engine.attention_metadata import AttentionMetadata
 from strategies.attention.base import write_kv
-from strategies.attention.gather import decode_attention, group_step, ungroup_output
+from strategies.attention.gather import group_step, ungroup_output
 
 
 class TorchSDPABackend:
     """Gather + masked ``F.scaled_dot_product_attention``; decode-only steps skip all padding."""
 
     name = "torch_sdpa"
-    #: Decode-only steps through :func:`decode_attention` instead of SDPA: None = on CPU only.
-    decode_matmul: bool | None = None
 
     def forward(
         self,
@@ -48,10 +46,6 @@ class TorchSDPABackend:
     ) -> torch.Tensor:
         """Attention of ``query [T, Hq, D]`` over each sequence's context -> ``[T, Hq, D]``."""
         write_kv(key, value, k_cache, v_cache, metadata.slot_mapping)
-        if metadata.is_decode_only:
-            use_matmul = self.decode_matmul if self.decode_matmul is not None else query.device.type == "cpu"
-            if use_matmul:
-                return decode_attention(query, k_cache, v_cache, metadata, scale)
         batch = group_step(query, k_cache, v_cache, metadata)
         out = F.scaled_dot_product_attention(
             batch.query, batch.key, batch.value, attn_mask=batch.layout.additive_mask(batch.query.dtype), scale=scale
