@@ -3,8 +3,8 @@
     python -m experiments.roofline [--model smollm2-135m] [--dtype float32] [--device cpu]
                                    [--batch-sizes 1 8 32] [--context 128] [--steps 10] [--out DIR]
 
-1. Measures the machine: memory bandwidth (median of large tensor copies, counting the read and
-   the write) and matmul peak (median of large square matmuls in ``--dtype``; on CPU float32 the
+1. Measures the machine: memory bandwidth (best of large tensor copies, counting the read and
+   the write) and matmul peak (best of large square matmuls in ``--dtype``; on CPU float32 the
    better of ``torch.mm`` and a oneDNN-prepacked linear, the two paths the engine can take).
 2. For each batch size ``B``: starts ``B`` requests with ``--context`` prompt tokens, runs their
    prefill, then times ``--steps`` engine decode steps (``LLM.step()``: scheduler, runner,
@@ -40,7 +40,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _median_time(fn, device: torch.device, repeats: int, warmup: int = 2) -> float:
+def _time(fn, device: torch.device, repeats: int, statistic=statistics.median, warmup: int = 2) -> float:
+    """Seconds per call of ``fn``: the median for the engine's steps, the minimum (``statistic=min``)
+    for the machine's ceilings, which are best cases by definition (like STREAM's best rate)."""
     for _ in range(warmup):
         fn()
     _sync(device)
@@ -50,30 +52,30 @@ def _median_time(fn, device: torch.device, repeats: int, warmup: int = 2) -> flo
         fn()
         _sync(device)
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistic(times)
 
 
-def measure_bandwidth(device: torch.device, megabytes: int = 256, repeats: int = 7) -> float:
+def measure_bandwidth(device: torch.device, megabytes: int = 256, repeats: int = 9) -> float:
     """Bytes per second of a large copy (read + write counted)."""
     numel = megabytes * 2**20 // 4
     src = torch.ones(numel, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
-    seconds = _median_time(lambda: dst.copy_(src), device, repeats)
+    seconds = _time(lambda: dst.copy_(src), device, repeats, min)
     return 2 * numel * 4 / seconds
 
 
-def measure_matmul_peak(device: torch.device, dtype: torch.dtype, size: int | None = None, repeats: int = 5) -> float:
+def measure_matmul_peak(device: torch.device, dtype: torch.dtype, size: int | None = None, repeats: int = 9) -> float:
     """FLOP/s of large square matmuls in ``dtype`` (the best path the engine can use)."""
     size = size or (8192 if device.type == "cuda" else 2048)
     a = torch.randn(size, size, device=device).to(dtype)
     b = torch.randn(size, size, device=device).to(dtype)
     flops = 2 * size**3
-    best = flops / _median_time(lambda: torch.mm(a, b), device, repeats)
+    best = flops / _time(lambda: torch.mm(a, b), device, repeats, min)
     from engine.model import onednn_linear_supported, packed_linear, prepack_weight
 
     if onednn_linear_supported(device, dtype):
         packed = prepack_weight(b.t().contiguous(), size)
-        best = max(best, flops / _median_time(lambda: packed_linear(a, packed, None), device, repeats))
+        best = max(best, flops / _time(lambda: packed_linear(a, packed, None), device, repeats, min))
     return best
 
 
