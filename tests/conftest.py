@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import atexit
-import functools
 import os
 import shutil
 import tempfile
@@ -65,15 +64,11 @@ def odd_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def hf_model() -> Callable[[Path], torch.nn.Module]:
     """``hf_model(path)``: the HF ``AutoModelForCausalLM`` for a checkpoint, float32, eval mode.
 
-    Loaded once per path and shared: do not modify the returned model.
+    Loaded once per path and shared with ``hf_reference.hf_greedy``: do not modify the returned model.
     """
-    from transformers import AutoModelForCausalLM
+    from hf_reference import hf_model as load
 
-    @functools.cache
-    def load(path: Path) -> torch.nn.Module:
-        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-    return load
+    return lambda path: load(str(path))
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,5 @@
-"""Hugging Face ``transformers`` as the correctness oracle: greedy ``generate`` per prompt."""
+"""Hugging Face ``transformers`` as the correctness oracle: one cached HF model per checkpoint
+(also behind the ``hf_model`` fixture) and greedy ``generate`` per prompt."""
 from __future__ import annotations
 
 import functools
