@@ -18,9 +18,8 @@ A graph replays fixed shapes and fixed addresses, so:
 * **Static buffers.** ``input_ids``, ``positions``, ``slot_mapping``, ``block_tables``,
   ``context_lens``, ``query_lens``, ``query_start_loc`` live in preallocated device tensors;
   each step copies its values in and replays; logits come out of a static ``[B, vocab]`` tensor.
-* Graphs are captured lazily, the first time a (batch, context) bucket is needed, and share
-  one memory pool (they never run concurrently). :meth:`DecodeGraphs.capture_all` captures
-  every batch bucket for the given context buckets up front (warm-up).
+* Graphs are captured lazily, the first time a (batch, context) bucket is needed (on that
+  step's own buffers), and share one memory pool (they never run concurrently).
 
 Steps with any prefill rows, and decode steps beyond the largest bucket, run eagerly.
 """
@@ -104,9 +103,8 @@ class DecodeGraphs:
     def capture(self, batch: int, context: int) -> None:
         """Capture the decode forward for ``batch`` rows and a ``context``-token bucket.
 
-        Capture runs the forward on the *current* static buffers; the caller has filled them
-        with a real step (or they hold the initial all-zero rows, which write K/V into slot 0
-        of block 0 — :meth:`capture_all` saves and restores that slot)."""
+        Capture runs the forward on the *current* static buffers, which :meth:`run` has just
+        filled with a real step: the capture's K/V writes are that step's own."""
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
@@ -117,21 +115,6 @@ class DecodeGraphs:
         with torch.cuda.graph(graph, pool=self.pool):
             logits = self._forward(batch, context)
         self.graphs[(batch, context)] = (graph, logits)
-
-    @torch.inference_mode()
-    def capture_all(self, context_buckets: list[int]) -> None:
-        """Warm-up: capture every batch bucket for each context bucket, before serving."""
-        saved = [(k.view(-1, *k.shape[2:])[0].clone(), v.view(-1, *v.shape[2:])[0].clone()) for k, v in self.kv_caches]
-        for context in context_buckets:
-            bucket = self.context_bucket(context)
-            if bucket is None:
-                continue
-            for batch in self.batch_sizes:
-                if (batch, bucket) not in self.graphs:
-                    self.capture(batch, bucket)
-        for (k, v), (k0, v0) in zip(self.kv_caches, saved):
-            k.view(-1, *k.shape[2:])[0].copy_(k0)
-            v.view(-1, *v.shape[2:])[0].copy_(v0)
 
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
