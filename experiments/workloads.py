@@ -83,6 +83,23 @@ def _name(index: int) -> str:
     return f"req-{index:04d}"
 
 
+def uneven_requests(
+    sampler: TokenSampler,
+    arrival_offsets: Sequence[float],
+    prompt_len_range: tuple[int, int],
+    max_tokens_range: tuple[int, int],
+    ignore_eos: bool,
+    temperature: float,
+) -> list[WorkloadRequest]:
+    """One request per arrival offset, prompt length and ``max_tokens`` uniform in their inclusive ranges."""
+    requests = []
+    for i, offset in enumerate(arrival_offsets):
+        prompt = sampler.tokens(sampler.integer(*prompt_len_range))
+        max_tokens = sampler.integer(*max_tokens_range)
+        requests.append(WorkloadRequest(_name(i), prompt, _params(max_tokens, ignore_eos, temperature), offset))
+    return requests
+
+
 def four_prompts(
     vocab_size: int,
     special_token_ids: Sequence[int] = (),
@@ -128,12 +145,9 @@ def burst(
     Prompt lengths and ``max_tokens`` are uniform integers in their (inclusive) ranges.
     """
     sampler = TokenSampler(vocab_size, special_token_ids, seed)
-    requests = []
-    for i in range(requests_per_slot * concurrency):
-        prompt = sampler.tokens(sampler.integer(min_prompt_len, max_prompt_len))
-        max_tokens = sampler.integer(min_max_tokens, max_max_tokens)
-        requests.append(WorkloadRequest(_name(i), prompt, _params(max_tokens, ignore_eos, temperature)))
-    return requests
+    offsets = [0.0] * (requests_per_slot * concurrency)
+    return uneven_requests(sampler, offsets, (min_prompt_len, max_prompt_len), (min_max_tokens, max_max_tokens),
+                           ignore_eos, temperature)
 
 
 def gamma_arrival_offsets(num_requests: int, rate: float, burstiness: float, rng: np.random.Generator) -> list[float]:
@@ -166,12 +180,8 @@ def poisson(
     """Open-loop arrivals at ``rate`` req/s with gamma ``burstiness`` (see :func:`gamma_arrival_offsets`)."""
     sampler = TokenSampler(vocab_size, special_token_ids, seed)
     offsets = gamma_arrival_offsets(num_requests, rate, burstiness, np.random.default_rng([seed, 1]))
-    requests = []
-    for i, offset in enumerate(offsets):
-        prompt = sampler.tokens(sampler.integer(min_prompt_len, max_prompt_len))
-        max_tokens = sampler.integer(min_max_tokens, max_max_tokens)
-        requests.append(WorkloadRequest(_name(i), prompt, _params(max_tokens, ignore_eos, temperature), offset))
-    return requests
+    return uneven_requests(sampler, offsets, (min_prompt_len, max_prompt_len), (min_max_tokens, max_max_tokens),
+                           ignore_eos, temperature)
 
 
 def shared_prefix(
