@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -143,14 +143,19 @@ def plot_vs(frame: pd.DataFrame, x: str, metrics: Sequence[tuple[str, str]], pat
     return save_figure(fig, path)
 
 
+def job_tables(root: Path, frame: pd.DataFrame, name: str) -> Iterator[tuple[pd.Series, pd.DataFrame]]:
+    """``(report row, table)`` for every successful job that wrote the CSV file ``name``."""
+    for _, row in frame[frame["status"] == "ok"].iterrows():
+        file = root / row["job"] / name
+        if file.is_file():
+            yield row, pd.read_csv(file)
+
+
 def plot_ttft_cdf(root: Path, frame: pd.DataFrame, path: Path, groups: Sequence[str]) -> Path | None:
     fig, ax = plt.subplots(figsize=(6, 4))
     drawn = 0
-    for _, row in frame[frame["status"] == "ok"].iterrows():
-        file = root / row["job"] / "requests.csv"
-        if not file.is_file():
-            continue
-        values = np.sort(pd.read_csv(file)["ttft_s"].dropna().to_numpy())
+    for row, requests in job_tables(root, frame, "requests.csv"):
+        values = np.sort(requests["ttft_s"].dropna().to_numpy())
         if values.size:
             ax.step(values, np.arange(1, values.size + 1) / values.size, where="post",
                     label=f"{row['job']}: {strategy_label(row, groups)}")
@@ -166,11 +171,7 @@ def plot_ttft_cdf(root: Path, frame: pd.DataFrame, path: Path, groups: Sequence[
 def plot_kv_over_time(root: Path, frame: pd.DataFrame, path: Path, groups: Sequence[str]) -> Path | None:
     fig, ax = plt.subplots(figsize=(7, 4))
     drawn = 0
-    for _, row in frame[frame["status"] == "ok"].iterrows():
-        file = root / row["job"] / "steps.csv"
-        if not file.is_file():
-            continue
-        steps = pd.read_csv(file)
+    for row, steps in job_tables(root, frame, "steps.csv"):
         if steps.empty or steps["kv_used_tokens"].isna().all():
             continue
         line = ax.step(steps["end_time"], steps["kv_used_tokens"], where="post",
