@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import warnings
 from collections.abc import Sequence as SequenceOf
 
 import torch
@@ -20,9 +21,11 @@ from omegaconf import DictConfig
 
 from engine.config import engine_config
 from engine.device import resolve_device, resolve_dtype
+from engine.fused_ops import FusedOps
 from engine.loader import checkpoint_for_spec, load_model
 from engine.model import onednn_linear_supported
 from engine.model_config import ModelConfig
+from engine.native import NativeKernelUnavailable
 from engine.outputs import RequestOutput, StepRecord
 from engine.runner import ModelRunner
 from engine.sampler import Sampler
@@ -48,6 +51,10 @@ class LLM:
             projection and the LM head a oneDNN-prepacked weight copy when running float32 on
             a CPU with oneDNN (1.3-2.3x faster matmuls for 2+ rows here, one extra copy of the
             linear weights in memory); ``True`` requires it, ``False`` keeps plain ``F.linear``.
+        fused_ops: performance option. ``"auto"`` (default) runs add + RMSNorm, RoPE and
+            SiLU-and-multiply as fused C kernels (:mod:`engine.fused_ops`, compiled on first use)
+            when running float32 on a CPU and a C compiler is found (else the eager PyTorch ops,
+            with a warning); ``True`` requires them, ``False`` keeps the eager ops.
         cuda_graphs: performance option. ``True`` replays decode-only steps as CUDA graphs
             (captured per padded batch size and context bucket, see ``engine/cuda_graphs.py``);
             CUDA only, ignored elsewhere. ``False`` (default until checked on a GPU by
@@ -71,6 +78,7 @@ class LLM:
         seed: int = 0,
         prepack: bool | str = "auto",
         cuda_graphs: bool = False,
+        fused_ops: bool | str = "auto",
     ) -> None:
         cfg = engine_config(
             model, cache, scheduler, attention, device, dtype, weights, seed,
@@ -81,26 +89,31 @@ class LLM:
                 "chunked_prefill": chunked_prefill,
             },
         )
-        self.build(cfg, prepack=prepack, cuda_graphs=cuda_graphs)
+        self.build(cfg, prepack=prepack, cuda_graphs=cuda_graphs, fused_ops=fused_ops)
 
     @classmethod
-    def from_config(cls, cfg: DictConfig, prepack: bool | str = "auto", cuda_graphs: bool = False) -> "LLM":
+    def from_config(
+        cls, cfg: DictConfig, prepack: bool | str = "auto", cuda_graphs: bool = False, fused_ops: bool | str = "auto"
+    ) -> "LLM":
         """Build from a composed config with ``model``, ``cache``, ``scheduler``, ``attention``,
         ``device``, ``dtype`` and ``seed`` (what ``run.py`` gets from Hydra).
 
         Performance options (``conf/engine/servelab.yaml``) come as keyword arguments.
         """
         llm = cls.__new__(cls)
-        llm.build(cfg, prepack=prepack, cuda_graphs=cuda_graphs)
+        llm.build(cfg, prepack=prepack, cuda_graphs=cuda_graphs, fused_ops=fused_ops)
         return llm
 
-    def build(self, cfg: DictConfig, prepack: bool | str = "auto", cuda_graphs: bool = False) -> None:
+    def build(
+        self, cfg: DictConfig, prepack: bool | str = "auto", cuda_graphs: bool = False, fused_ops: bool | str = "auto"
+    ) -> None:
         self.config = cfg
         self.device = resolve_device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         checkpoint = checkpoint_for_spec(cfg.model)
         self.model, self.model_config = load_model(checkpoint, self.dtype, self.device)
         self.prepacked = self.apply_prepack(prepack)
+        self.fused = self.apply_fused_ops(fused_ops)
         mc: ModelConfig = self.model_config
         self.cache = instantiate(cfg.cache)
         self.cache.bind_model_limits(mc.max_model_len)
@@ -130,6 +143,24 @@ class LLM:
         if prepack is False or not supported:
             return False
         self.model.prepack()
+        return True
+
+    def apply_fused_ops(self, fused_ops: bool | str) -> bool:
+        supported = self.device.type == "cpu" and self.dtype == torch.float32
+        if fused_ops not in (True, False, "auto"):
+            raise ValueError(f"fused_ops must be true, false or 'auto', got {fused_ops!r}")
+        if fused_ops is True and not supported:
+            raise ValueError(f"fused_ops=True needs float32 on a CPU (got {self.dtype} on {self.device})")
+        if fused_ops is False or not supported:
+            return False
+        try:
+            ops = FusedOps()
+        except NativeKernelUnavailable as error:
+            if fused_ops is True:
+                raise
+            warnings.warn(f"fused_ops=auto: {error}; running the eager PyTorch ops instead", stacklevel=2)
+            return False
+        self.model.use_fused_ops(ops)
         return True
 
     # -- requests ---------------------------------------------------------------------------

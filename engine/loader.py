@@ -31,6 +31,7 @@ from safetensors.torch import save_file
 
 from engine.model import CausalLM
 from engine.model_config import ModelConfig
+from engine.paths import cache_root
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf" / "model"
 INIT_VERSION = 1  # bump when the random init changes: it is part of the cache key
@@ -163,8 +164,7 @@ def _cached_random_checkpoint(spec: Mapping[str, Any], cache_dir: str | Path | N
     hf_config = dict(spec["hf_config"])
     seed = int(spec.get("seed", 0))
     key = hashlib.sha256(json.dumps([hf_config, INIT_VERSION], sort_keys=True).encode()).hexdigest()[:8]
-    root = Path(cache_dir or os.environ.get("SERVELAB_CACHE") or Path.home() / ".cache" / "servelab").expanduser()
-    final = root / "checkpoints" / f"{spec.get('name', 'model')}-seed{seed}-{key}"
+    final = cache_root(cache_dir) / "checkpoints" / f"{spec.get('name', 'model')}-seed{seed}-{key}"
     if (final / "config.json").is_file():
         return final
     tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")

@@ -13,15 +13,22 @@ the block table. The model itself never sees the cache layout.
 
 Differences from HF's modules are deliberate and numerically neutral: q/k/v are one matmul
 (``qkv_proj``), gate/up are one matmul (``gate_up_proj``), and the RoPE cos/sin table is
-computed once for all positions instead of on every forward.
+computed once for all positions instead of on every forward. The residual stream is carried
+as vLLM does, ``(hidden, residual)`` with ``residual += hidden`` folded into the next norm, so
+that the optional fused kernels (:class:`~engine.fused_ops.FusedOps`, set by
+:meth:`CausalLM.use_fused_ops`) can do add + RMSNorm in one pass; the eager form is the same
+additions in the same order as HF's ``x = x + attn(norm(x))``.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.attention_metadata import AttentionMetadata
+from engine.fused_ops import FusedOps
 from engine.model_config import ModelConfig
 from strategies.attention.base import AttentionBackend
 
@@ -67,10 +74,21 @@ class Linear(nn.Linear):
 class RMSNorm(nn.Module):
     """``weight * x / rms(x)``, computed in float32 like HF."""
 
+    fused_ops: FusedOps | None = None
+
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``residual = residual + x`` (``x`` alone for the first norm), then ``(norm(residual), residual)``.
+
+        With fused ops: one kernel, and a given ``residual`` is updated in place."""
+        if self.fused_ops is not None:
+            return self.fused_ops.add_rms_norm(x, residual, self.weight, self.eps)
+        residual = x if residual is None else residual + x
+        return self(residual), residual
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:  # one fused kernel, bit-equal to the HF form below in float32
@@ -121,6 +139,34 @@ class RotaryEmbedding(nn.Module):
         return cos.unsqueeze(1), (sin * self.sin_sign.to(dtype)).unsqueeze(1)
 
 
+@dataclass
+class RopeStep:
+    """One step's RoPE inputs, computed once by :meth:`CausalLM.forward` for all layers.
+
+    Eager form: ``cos`` / ``signed_sin`` rows ``[T, 1, head_dim]`` (see
+    :meth:`RotaryEmbedding.forward`). Fused form (``fused_ops`` set): the kernel reads each
+    token's row of ``table`` (``RotaryEmbedding.cos_sin``) at ``positions`` itself.
+    """
+
+    positions: torch.Tensor
+    table: torch.Tensor
+    cos: torch.Tensor | None = None
+    signed_sin: torch.Tensor | None = None
+    fused_ops: FusedOps | None = None
+
+    def split_rotated(
+        self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``q, k, v`` of a fused qkv output ``[T, Hq + 2 Hkv, D]`` with RoPE applied to q and k."""
+        qk_heads = num_heads + num_kv_heads
+        if self.fused_ops is not None:  # in place on the fresh qkv buffer: q, k, v stay views of it
+            self.fused_ops.rope_(qkv, qk_heads, self.positions, self.table)
+            return qkv.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
+        # RoPE on q and k together: one call over the first Hq + Hkv heads of the qkv output.
+        q, k = apply_rope(qkv[:, :qk_heads], self.cos, self.signed_sin).split([num_heads, num_kv_heads], dim=1)
+        return q, k, qkv[:, qk_heads:]
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x [T, heads, head_dim]``: HF's ``x * cos + rotate_half(x) * sin``.
 
@@ -150,8 +196,7 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: RopeStep,
         kv_cache: KVCache,
         metadata: AttentionMetadata,
         attention: AttentionBackend,
@@ -159,10 +204,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         T = x.shape[0]
         qkv = self.qkv_proj(x).view(T, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
-        qk_heads = self.num_heads + self.num_kv_heads
-        # RoPE on q and k together: one call over the first Hq + Hkv heads of the qkv output.
-        q, k = apply_rope(qkv[:, :qk_heads], cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
-        v = qkv[:, qk_heads:]
+        q, k, v = rope.split_rotated(qkv, self.num_heads, self.num_kv_heads)
         if parts is None:
             out = attention.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale)
         else:  # a mixed step, attended per run of sequences (see CausalLM.forward)
@@ -176,19 +218,24 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU: ``down(silu(gate(x)) * up(x))`` with gate and up fused into one matmul."""
 
+    fused_ops: FusedOps | None = None
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused_ops is not None:
+            return self.down_proj(self.fused_ops.silu_and_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         # SiLU in place on the (fresh) gate_up output, then one multiply: one temporary fewer.
         return self.down_proj(F.silu(gate, inplace=True).mul(up))
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: ``x += attn(norm(x)); x += mlp(norm(x))``."""
+    """Pre-norm block: ``x += attn(norm(x)); x += mlp(norm(x))``, carried as ``(hidden, residual)``:
+    each norm first adds the previous block's output into the residual stream."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -199,16 +246,19 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: RopeStep,
         kv_cache: KVCache,
         metadata: AttentionMetadata,
         attention: AttentionBackend,
         parts: AttentionParts | None = None,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, metadata, attention, parts)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(mlp output, residual stream before it)``; the next norm adds the two."""
+        hidden, residual = self.input_layernorm.add_norm(hidden, residual)
+        hidden = self.self_attn(hidden, rope, kv_cache, metadata, attention, parts)
+        hidden, residual = self.post_attention_layernorm.add_norm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class CausalLM(nn.Module):
@@ -231,6 +281,15 @@ class CausalLM(nn.Module):
         )
         self.logits_packed: torch.Tensor | None = None
         self.logits_min_rows = 1
+        self.fused_ops: FusedOps | None = None
+
+    def use_fused_ops(self, fused_ops: FusedOps | None) -> None:
+        """Run RMSNorm (+ residual add), RoPE and SiLU-and-multiply through ``fused_ops``
+        (CPU float32 C kernels, :mod:`engine.fused_ops`), or the eager PyTorch forms (``None``)."""
+        self.fused_ops = fused_ops
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, MLP)):
+                module.fused_ops = fused_ops
 
     def prepack(self, min_rows: int = 1, batch_hint: int = 32) -> None:
         """Give every projection (and the LM head) a oneDNN-prepacked weight copy.
@@ -270,11 +329,16 @@ class CausalLM(nn.Module):
         """
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"got {len(kv_caches)} KV-cache pairs for {len(self.layers)} layers")
-        x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary(positions, x.dtype)
+        hidden = self.embed_tokens(input_ids)
+        if self.fused_ops is not None:
+            rope = RopeStep(positions, self.rotary.cos_sin, fused_ops=self.fused_ops)
+        else:
+            cos, signed_sin = self.rotary(positions, hidden.dtype)
+            rope = RopeStep(positions, self.rotary.cos_sin, cos, signed_sin)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, kv_cache, metadata, attention, attention_parts)
-        return self.norm(x)
+            hidden, residual = layer(hidden, residual, rope, kv_cache, metadata, attention, attention_parts)
+        return self.norm.add_norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits ``[N, vocab_size]`` for selected rows of :meth:`forward`'s output."""

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 from engine.attention_metadata import AttentionMetadata
 from strategies.attention.base import AttentionBackend
+from strategies.attention.cpu_paged import CpuPagedBackend
 from strategies.attention.eager import EagerBackend
 from strategies.attention.torch_sdpa import TorchSDPABackend
 
@@ -150,17 +151,38 @@ def check_backend(backend: AttentionBackend, step: Step, atol: float = 1e-5, dev
     torch.testing.assert_close(v_cache.cpu(), v_expected, atol=0, rtol=0, equal_nan=True)
 
 
-# ---------------------------------------------------------------- gather backends (torch)
+# ---------------------------------------------------------------- CPU backends (torch gathers, C kernel)
 
 GATHER_BACKENDS = [EagerBackend, TorchSDPABackend]
+CPU_BACKENDS = GATHER_BACKENDS + [CpuPagedBackend]
 
 
-@pytest.mark.parametrize("backend_cls", GATHER_BACKENDS)
+@pytest.mark.parametrize("backend_cls", CPU_BACKENDS)
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("heads", HEADS)
 @pytest.mark.parametrize("seqs", [MIXED, DECODE], ids=["mixed", "decode"])
-def test_gather_backends_match_reference(backend_cls, block_size, heads, seqs) -> None:
+def test_cpu_backends_match_reference(backend_cls, block_size, heads, seqs) -> None:
     check_backend(backend_cls(), make_step(seqs, block_size, *heads, head_dim=16))
+
+
+def test_cpu_paged_reads_strided_qkv_views_and_long_contexts() -> None:
+    """In the model q/k/v are views of one fused qkv output; contexts span many key tiles and a
+    work item holds several query tokens (prefill of 70 rows), with 14 query heads on 2 KV heads."""
+    step = make_step([(300, 1), (0, 70), (40, 9)], 16, 14, 2, head_dim=64)
+    fused = torch.cat([step.query, step.key, step.value], dim=1)  # [T, 14 + 2 + 2, D]
+    query, key, value = fused.split([14, 2, 2], dim=1)
+    assert not query.is_contiguous()
+    step.query, step.key, step.value = query, key, value
+    check_backend(CpuPagedBackend(), step)
+
+
+def test_cpu_paged_rejects_what_it_cannot_run() -> None:
+    step = make_step(MIXED, 4, 4, 2, head_dim=16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="float32 on the CPU"):
+        check_backend(CpuPagedBackend(), step)
+    step = make_step(DECODE, 4, 4, 2, head_dim=512)
+    with pytest.raises(ValueError, match="head_dim <= 256"):
+        check_backend(CpuPagedBackend(), step)
 
 
 @pytest.mark.parametrize("backend_cls", GATHER_BACKENDS)
@@ -179,9 +201,9 @@ seq_strategy = st.lists(st.tuples(st.integers(0, 40), st.integers(1, 9)), min_si
     block_size=st.sampled_from([1, 3, 4, 16]),
     heads=st.sampled_from(HEADS + [(4, 1)]),
     head_dim=st.sampled_from([4, 8, 16]),
-    backend_cls=st.sampled_from(GATHER_BACKENDS),
+    backend_cls=st.sampled_from(CPU_BACKENDS),
 )
-def test_gather_backends_random_shapes(seqs, decode_only, block_size, heads, head_dim, backend_cls) -> None:
+def test_cpu_backends_random_shapes(seqs, decode_only, block_size, heads, head_dim, backend_cls) -> None:
     if decode_only:
         seqs = [(cached, 1) for cached, _ in seqs]
     check_backend(backend_cls(), make_step(seqs, block_size, *heads, head_dim=head_dim))

@@ -5,6 +5,9 @@
 * The runner's vectorised step preparation (decode-only fast path, cached ``arange``): its
   metadata equals a straightforward per-row reference on ragged, chunked and decode steps, and
   an engine serving two different workloads back to back gives what fresh engines give.
+* Fused CPU kernels (``LLM(fused_ops=...)``, ``engine/fused_ops.py``): each kernel against the
+  eager PyTorch form it replaces; the engine with them gives the eager engine's and HF's greedy
+  tokens, logits within float32 noise; bad options and a missing compiler are reported.
 * CUDA graphs (``LLM(cuda_graphs=True)``): tokens and logits equal to eager (CUDA only).
 * ``experiments.roofline``: the bound's byte / FLOP counts on a tiny model.
 No timing asserts: speed is measured by ``experiments/roofline.py`` and recorded in the doc.
@@ -16,8 +19,11 @@ import random
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.model import onednn_linear_supported
+import torch.nn.functional as F
+
+from engine import LLM, SamplingParams, native
+from engine.fused_ops import FusedOps
+from engine.model import RMSNorm, RotaryEmbedding, apply_rope, onednn_linear_supported
 from engine.runner import ModelRunner
 from hf_reference import hf_greedy
 
@@ -99,6 +105,80 @@ def test_prepack_rejected_where_unsupported(tiny_llama_ckpt):
     assert not build(tiny_llama_ckpt, dtype="bfloat16", prepack="auto").prepacked
     with pytest.raises(ValueError, match="float32"):
         build(tiny_llama_ckpt, dtype="bfloat16", prepack=True)
+
+
+# -- fused CPU kernels ---------------------------------------------------------------------------
+def test_fused_add_rms_norm_matches_eager():
+    ops, norm = FusedOps(), RMSNorm(96, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(96) + 0.5)
+    x, residual = torch.randn(7, 96), torch.randn(7, 96) * 3
+    expected_residual = residual + x
+    out, new_residual = ops.add_rms_norm(x, residual.clone(), norm.weight, norm.eps)
+    torch.testing.assert_close(new_residual, expected_residual, rtol=0, atol=0)  # the same float adds
+    torch.testing.assert_close(out, norm(expected_residual), rtol=1e-6, atol=1e-6)
+    first, same = ops.add_rms_norm(x, None, norm.weight, norm.eps)  # first layer: no residual yet
+    assert same.data_ptr() == x.data_ptr()
+    torch.testing.assert_close(first, norm(x), rtol=1e-6, atol=1e-6)
+
+
+def test_fused_silu_and_mul_matches_eager_including_extremes():
+    gate_up = torch.randn(5, 2 * 45) * 6  # 45: the vector loop's scalar tail runs too
+    gate_up[0, :6] = torch.tensor([-1e4, -100.0, -88.0, 0.0, 88.0, 1e4])
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(FusedOps().silu_and_mul(gate_up), F.silu(gate) * up, rtol=2e-6, atol=1e-6)
+
+
+def test_fused_rope_matches_eager_on_a_strided_qkv_buffer():
+    rotary = RotaryEmbedding(head_dim=32, max_positions=4096, theta=10000.0)
+    qkv = torch.randn(6, 4 + 2 + 2, 32)  # 4 query heads, 2 KV heads: rotate the first 6 heads
+    positions = torch.tensor([0, 1, 17, 400, 4095, 3])
+    cos, signed_sin = rotary(positions, torch.float32)
+    expected = apply_rope(qkv[:, :6], cos, signed_sin)
+    rotated = qkv.clone()
+    FusedOps().rope_(rotated, 6, positions, rotary.cos_sin)
+    torch.testing.assert_close(rotated[:, :6], expected, rtol=1e-6, atol=1e-6)
+    assert torch.equal(rotated[:, 6:], qkv[:, 6:])  # v untouched
+
+
+@pytest.mark.parametrize("ckpt_name", ["tiny_llama_ckpt", "tiny_qwen2_ckpt", "odd_ckpt"])
+def test_fused_ops_keep_tokens_equal_to_eager_and_hf(ckpt_name, request):
+    ckpt = request.getfixturevalue(ckpt_name)
+    fused, eager = build(ckpt, fused_ops=True, attention="cpu_paged"), build(ckpt, fused_ops=False)
+    assert fused.fused and not eager.fused
+    prompts = ragged_prompts(1, 7, fused.model_config.vocab_size)
+    max_tokens = [1, 4, 9, 6, 12, 3, 8]
+    tokens = serve(fused, prompts, max_tokens)
+    assert tokens == serve(eager, prompts, max_tokens)
+    for prompt, budget, generated in zip(prompts, max_tokens, tokens):
+        assert generated == hf_greedy(str(ckpt), tuple(prompt), budget)
+
+
+def test_fused_ops_logits_close_to_eager(odd_ckpt):
+    fused, eager = build(odd_ckpt, fused_ops=True), build(odd_ckpt, fused_ops=False)
+    prompts = ragged_prompts(4, 5, fused.model_config.vocab_size, min_len=2)
+    logits = []
+    for llm in (fused, eager):
+        for prompt in prompts:
+            llm.add_request(prompt, SamplingParams(max_tokens=2, ignore_eos=True))
+        plan = llm.scheduler.schedule()
+        logits.append(llm.runner.execute(llm.runner.prepare(plan.scheduled)))
+        llm.scheduler.retire([])
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-5, atol=1e-5)
+
+
+def test_fused_ops_options_and_missing_compiler(tiny_llama_ckpt, monkeypatch):
+    with pytest.raises(ValueError, match="fused_ops"):
+        build(tiny_llama_ckpt, fused_ops="yes")
+    assert not build(tiny_llama_ckpt, dtype="bfloat16", fused_ops="auto").fused
+    with pytest.raises(ValueError, match="float32"):
+        build(tiny_llama_ckpt, dtype="bfloat16", fused_ops=True)
+    monkeypatch.setenv("CC", "no-such-compiler-servelab")
+    monkeypatch.setattr(native, "load", native.load.__wrapped__)  # skip the per-process cache
+    with pytest.warns(UserWarning, match="no C compiler"):
+        assert not build(tiny_llama_ckpt, fused_ops="auto").fused
+    with pytest.raises(native.NativeKernelUnavailable, match="no C compiler"):
+        build(tiny_llama_ckpt, fused_ops=True)
 
 
 # -- runner: vectorised step preparation, no stale state across steps ----------------------------

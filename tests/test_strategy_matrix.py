@@ -16,7 +16,7 @@ from hf_reference import hf_greedy
 
 CACHES = ["paged", "contiguous", "prefix"]
 SCHEDULERS = ["static", "continuous", "preemptive"]
-ATTENTIONS = ["torch_sdpa", "eager", "triton_paged"]
+ATTENTIONS = ["torch_sdpa", "eager", "cpu_paged", "triton_paged"]
 
 # (prompt, max_tokens, step at which it arrives); two prompts share a 9-token prefix.
 _rng = random.Random(7)

@@ -1,0 +1,105 @@
+"""``cpu_paged``: a C kernel that reads the paged KV cache *in place* on the CPU (no gather).
+
+The gather backends (``torch_sdpa``, ``eager``) copy every sequence's whole context out of the
+block-table pages into a padded dense tensor in every layer, then run dense attention on it —
+on a 2-core CPU that copy plus the padded SDPA call was ~30% of a decode step at batch 32
+(docs/performance.md). This backend is the CPU counterpart of ``triton_paged`` and of vLLM's CPU
+``paged_attention``: like a process reading memory through its page table, the kernel resolves
+each key position ``t`` to ``block_tables[seq, t // block_size]`` and reads that page's K/V rows
+where they lie. Memory traffic per layer is one read of the context, nothing is written but the
+output, and ragged batches need no padding (each sequence attends over its own length).
+
+Work split (``csrc/paged_attention.c``): one item per (sequence, KV head, chunk of query
+tokens); an item holds the queries of all ``G`` heads sharing its KV head, so each K/V row is
+read once per group; online softmax over tiles of 16 keys. Decode, prefill, chunked prefill and
+prefix-cached prefill are one causal code path.
+
+Float32 on CPU only (the kernel's arithmetic is float32, like SDPA's CPU kernel for float32);
+the kernel is compiled with the machine's C compiler on first use (``engine/native.py``). The
+new tokens' K/V are written into their slots by the same call (vLLM's ``reshape_and_cache``). Results
+differ from SDPA only by float32 summation order (~1e-7 relative).
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from engine import native
+from engine.attention_metadata import AttentionMetadata
+
+_MAX_HEAD_DIM = 256  # csrc/paged_attention.c: MAX_HEAD_DIM
+_MAX_HEADS = 64  # csrc/paged_attention.c: MAX_VECTORS (query vectors of one work item)
+
+
+def _kernel():
+    pointer, i64 = ctypes.c_void_p, ctypes.c_int64
+    return native.function("paged_attention", "paged_attention_f32", [
+        pointer, i64, pointer, pointer, i64,  # query, its token stride, new keys, new values, their token stride
+        pointer, i64, pointer, pointer,  # slot_mapping, num_tokens, k_cache, v_cache
+        pointer, i64, pointer, pointer,  # block_tables, its row stride, context_lens, query_start_loc
+        i64, i64, i64, i64, i64,  # num_seqs, num_heads, num_kv_heads, head_dim, block_size
+        ctypes.c_float, pointer, i64,  # scale, out, out token stride
+    ], ctypes.c_int)
+
+
+def _token_rows(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor [T, heads, head_dim]`` with each token's heads contiguous (copied only if not)."""
+    if tensor.stride(2) != 1 or tensor.stride(1) != tensor.shape[2]:
+        return tensor.contiguous()
+    return tensor
+
+
+class CpuPagedBackend:
+    """Fused paged attention for CPU float32 (C kernel, OpenMP over sequences x KV heads)."""
+
+    name = "cpu_paged"
+
+    def __init__(self) -> None:
+        self._paged_attention = _kernel()  # builds it now: a missing compiler fails at startup
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Attention of ``query [T, Hq, D]`` over each sequence's context -> ``[T, Hq, D]``."""
+        if query.device.type != "cpu" or query.dtype != torch.float32 or k_cache.dtype != torch.float32:
+            raise ValueError(
+                f"attention=cpu_paged runs float32 on the CPU; got {query.dtype} on {query.device} "
+                "(use torch_sdpa, or triton_paged on CUDA)"
+            )
+        num_tokens, num_heads, head_dim = query.shape
+        num_kv_heads = k_cache.shape[2]
+        if head_dim > _MAX_HEAD_DIM or num_heads > _MAX_HEADS:
+            raise ValueError(
+                f"cpu_paged supports head_dim <= {_MAX_HEAD_DIM} and num_heads <= {_MAX_HEADS}; "
+                f"got head_dim {head_dim}, num_heads {num_heads}"
+            )
+        # q/k/v usually arrive as strided views of the fused qkv output: no copy needed.
+        query, key, value = _token_rows(query), _token_rows(key), _token_rows(value)
+        if key.stride(0) != value.stride(0):
+            key, value = key.contiguous(), value.contiguous()
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+            raise ValueError("cpu_paged: the KV caches must be contiguous tensors")
+        slot_mapping = metadata.slot_mapping.to(torch.int64).contiguous()
+        # The C signature reads int32 (the metadata's documented dtype): no-op conversions then.
+        block_tables = metadata.block_tables.to(torch.int32).contiguous()
+        context_lens = metadata.context_lens.to(torch.int32).contiguous()
+        query_start_loc = metadata.query_start_loc.to(torch.int32).contiguous()
+        out = torch.empty(num_tokens, num_heads, head_dim, dtype=query.dtype)
+        status = self._paged_attention(
+            query.data_ptr(), query.stride(0), key.data_ptr(), value.data_ptr(), key.stride(0),
+            slot_mapping.data_ptr(), num_tokens, k_cache.data_ptr(), v_cache.data_ptr(),
+            block_tables.data_ptr(), block_tables.stride(0), context_lens.data_ptr(), query_start_loc.data_ptr(),
+            metadata.num_seqs, num_heads, num_kv_heads, head_dim, metadata.block_size,
+            scale, out.data_ptr(), out.stride(0),
+        )
+        if status != 0:
+            raise RuntimeError(f"cpu_paged kernel failed with status {status}")
+        return out
