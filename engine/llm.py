@@ -31,6 +31,7 @@ from engine.runner import ModelRunner
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, SequenceStatus
+from engine.skinny_gemm import SkinnyGemm
 from strategies.scheduler.base import SchedulerOutput
 
 
@@ -49,8 +50,10 @@ class LLM:
         seed: seeds the sampler's shared generator.
         prepack: performance option (docs/performance.md). ``"auto"`` (default) gives every
             projection and the LM head a oneDNN-prepacked weight copy when running float32 on
-            a CPU with oneDNN (1.3-2.3x faster matmuls for 2+ rows here, one extra copy of the
-            linear weights in memory); ``True`` requires it, ``False`` keeps plain ``F.linear``.
+            a CPU with oneDNN (1.3-2.3x faster matmuls here), plus a copy in the panels of
+            servelab's skinny GEMM for inputs of <= 24 rows when its C kernel builds (another
+            1.2-1.6x there); each copy costs the linear weights' size in memory. ``True``
+            requires oneDNN, ``False`` keeps plain ``F.linear``.
         fused_ops: performance option. ``"auto"`` (default) runs add + RMSNorm, RoPE and
             SiLU-and-multiply as fused C kernels (:mod:`engine.fused_ops`, compiled on first use)
             when running float32 on a CPU and a C compiler is found (else the eager PyTorch ops,
@@ -142,7 +145,12 @@ class LLM:
             raise ValueError(f"prepack=True needs float32 on a CPU with oneDNN (got {self.dtype} on {self.device})")
         if prepack is False or not supported:
             return False
-        self.model.prepack()
+        try:
+            skinny_gemm = SkinnyGemm()
+        except NativeKernelUnavailable as error:  # oneDNN packing alone still pays
+            warnings.warn(f"prepack: {error}; few-row matmuls use oneDNN instead of the skinny GEMM", stacklevel=2)
+            skinny_gemm = None
+        self.model.prepack(skinny_gemm=skinny_gemm)
         return True
 
     def apply_fused_ops(self, fused_ops: bool | str) -> bool:

@@ -30,6 +30,7 @@ from torch import nn
 from engine.attention_metadata import AttentionMetadata
 from engine.fused_ops import FusedOps
 from engine.model_config import ModelConfig
+from engine.skinny_gemm import SkinnyGemm
 from strategies.attention.base import AttentionBackend
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -52,22 +53,28 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` that can also run through a oneDNN-prepacked copy of its weight.
+    """``nn.Linear`` that can also run through prepacked copies of its weight (CPU float32).
 
-    Same parameters and state-dict names as ``nn.Linear``. After :meth:`CausalLM.prepack`,
-    inputs with at least ``min_rows`` rows (default 1: every input) use the packed weight: on
-    this project's CPUs (AMD EPYC, MKL sgemm) it measured 1.3-2.3x faster for 8-32 rows, and
-    1.3x (layers) / 1.8x (LM head) faster for a single row once the weights come from memory
-    as they do in a real forward (a hot-cache loop over one weight had favoured MKL for 1 row;
-    docs/performance.md, section 8).
+    Same parameters and state-dict names as ``nn.Linear``. After :meth:`CausalLM.prepack`:
+    inputs of at most ``skinny_max_rows`` rows go through servelab's skinny GEMM
+    (:mod:`engine.skinny_gemm`, when its C kernel could be built), other inputs of at least
+    ``min_rows`` rows (default 1) through the oneDNN-prepacked weight: on this project's CPUs
+    (AMD EPYC, MKL sgemm) oneDNN measured 1.3-2.3x faster than ``F.linear`` for 8-32 rows, and the
+    skinny GEMM 1.2-1.6x faster than oneDNN up to 24 rows (docs/performance.md, sections 2, 8, 9).
     """
 
     packed: torch.Tensor | None = None
     min_rows: int = 1
+    skinny: torch.Tensor | None = None
+    skinny_gemm: SkinnyGemm | None = None
+    skinny_max_rows: int = 24
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.dim() == 2 and x.shape[0] >= self.min_rows:
-            return packed_linear(x, self.packed, self.bias)
+        if x.dim() == 2:
+            if self.skinny is not None and x.shape[0] <= self.skinny_max_rows:
+                return self.skinny_gemm.linear(x, self.skinny, self.bias, self.out_features)
+            if self.packed is not None and x.shape[0] >= self.min_rows:
+                return packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -281,6 +288,8 @@ class CausalLM(nn.Module):
         )
         self.logits_packed: torch.Tensor | None = None
         self.logits_min_rows = 1
+        self.logits_skinny: torch.Tensor | None = None
+        self.logits_skinny_gemm: SkinnyGemm | None = None
         self.fused_ops: FusedOps | None = None
 
     def use_fused_ops(self, fused_ops: FusedOps | None) -> None:
@@ -291,19 +300,24 @@ class CausalLM(nn.Module):
             if isinstance(module, (RMSNorm, MLP)):
                 module.fused_ops = fused_ops
 
-    def prepack(self, min_rows: int = 1, batch_hint: int = 32) -> None:
-        """Give every projection (and the LM head) a oneDNN-prepacked weight copy.
+    def prepack(self, min_rows: int = 1, batch_hint: int = 32, skinny_gemm: SkinnyGemm | None = None) -> None:
+        """Give every projection (and the LM head) a oneDNN-prepacked weight copy, and with
+        ``skinny_gemm`` also its panel copy for inputs of few rows.
 
         CPU float32 only (see :func:`onednn_linear_supported`). Costs one extra copy of the
-        linear weights in memory; the originals stay for ``state_dict`` and the 1-row path.
+        linear weights in memory per packing; the originals stay for ``state_dict``.
         """
         for module in self.modules():
             if isinstance(module, Linear):
                 module.packed = prepack_weight(module.weight, batch_hint)
                 module.min_rows = min_rows
+                if skinny_gemm is not None:
+                    module.skinny_gemm, module.skinny = skinny_gemm, skinny_gemm.pack(module.weight)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         self.logits_packed = prepack_weight(weight, batch_hint)
         self.logits_min_rows = min_rows
+        if skinny_gemm is not None:
+            self.logits_skinny_gemm, self.logits_skinny = skinny_gemm, skinny_gemm.pack(weight)
 
     def forward(
         self,
@@ -342,6 +356,8 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits ``[N, vocab_size]`` for selected rows of :meth:`forward`'s output."""
+        if self.logits_skinny is not None and hidden.shape[0] <= Linear.skinny_max_rows:
+            return self.logits_skinny_gemm.linear(hidden, self.logits_skinny, None, self.config.vocab_size)
         if self.logits_packed is not None and hidden.shape[0] >= self.logits_min_rows:
             return packed_linear(hidden, self.logits_packed, None).float()
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -122,7 +122,8 @@ timeout 120 "$PYTHON" -m experiments.roofline --model qwen2.5-0.5b --dtype bfloa
 COMMON=(model=qwen2.5-0.5b dtype=bfloat16 device=cuda plots=false driver.progress=false
         "workload.concurrency=$CONCURRENCY" scheduler.max_num_seqs=256 cache.capacity_tokens=131072)
 log "(c) peer benchmark: servelab_best vs hf_continuous at c=$CONCURRENCY"
-timeout 300 "$PYTHON" run.py -m +experiment=peer_benchmark "+serving=servelab_best,hf_continuous" "${COMMON[@]}" \
+# servelab_best picks cpu_paged (a CPU kernel): on CUDA its attention is torch_sdpa here.
+timeout 300 "$PYTHON" run.py -m +experiment=peer_benchmark "+serving=servelab_best,hf_continuous" attention=torch_sdpa "${COMMON[@]}" \
   "hydra.sweep.dir=$DEST/peer_benchmark" 2>&1 | tail -n 5 | tee -a "$DEST/gpu_check.log" || true
 log "(c) servelab with triton_paged + CUDA graphs"
 timeout 150 "$PYTHON" run.py -m +experiment=peer_benchmark +serving=servelab_best attention=triton_paged \

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from engine import LLM, SamplingParams, native
 from engine.fused_ops import FusedOps
 from engine.model import RMSNorm, RotaryEmbedding, apply_rope, onednn_linear_supported
+from engine.skinny_gemm import SkinnyGemm
 from engine.runner import ModelRunner
 from hf_reference import hf_greedy
 
@@ -90,6 +91,7 @@ def test_packed_linear_serves_one_and_many_rows_and_min_rows_falls_back(tiny_lla
     llm = build(tiny_llama_ckpt, prepack=True)
     layer = llm.model.layers[0].mlp.gate_up_proj
     assert layer.min_rows == 1 and llm.model.logits_min_rows == 1
+    layer.skinny = None  # the oneDNN path alone (the skinny GEMM has its own test below)
     x = torch.randn(5, layer.in_features)
     plain = torch.nn.functional.linear
     with torch.inference_mode():
@@ -97,6 +99,35 @@ def test_packed_linear_serves_one_and_many_rows_and_min_rows_falls_back(tiny_lla
         torch.testing.assert_close(layer(x[:1]), plain(x[:1], layer.weight), rtol=1e-5, atol=1e-5)
         layer.min_rows = 2
         assert torch.equal(layer(x[:1]), plain(x[:1], layer.weight))
+
+
+@needs_onednn
+def test_skinny_gemm_serves_few_rows_and_onednn_the_rest(odd_ckpt):
+    """Up to ``skinny_max_rows`` rows the skinny GEMM runs (odd shapes: panels padded past N,
+    a remainder of rows below the 4-row tile, bias, K not a multiple of the K block), above it
+    oneDNN; both within float32 noise of ``F.linear``; the LM head too."""
+    torch.manual_seed(0)
+    llm = build(odd_ckpt, prepack=True)
+    model = llm.model
+    layer = model.layers[0].self_attn.qkv_proj  # biased
+    assert layer.skinny is not None and layer.bias is not None
+    calls = []
+    skinny_linear = layer.skinny_gemm.linear
+    layer.skinny_gemm.linear = lambda *args: calls.append(args[0].shape[0]) or skinny_linear(*args)
+    with torch.inference_mode():
+        for rows in (1, 3, 4, 7, 24, 25, 40):
+            x = torch.randn(rows, layer.in_features)
+            torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+        # N = 50: the last panel is padded; K = 600: three K blocks of up to 256
+        gemm, weight, bias = SkinnyGemm(), torch.randn(50, 600) * 0.05, torch.randn(50)
+        for rows in (1, 6, 9):
+            wide = torch.randn(rows, 600)
+            expected = F.linear(wide, weight, bias)
+            torch.testing.assert_close(gemm.linear(wide, gemm.pack(weight), bias, 50), expected, rtol=1e-5, atol=1e-5)
+        hidden = torch.randn(5, model.config.hidden_size)
+        head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+        torch.testing.assert_close(model.compute_logits(hidden), F.linear(hidden, head), rtol=1e-5, atol=1e-5)
+    assert calls == [1, 3, 4, 7, 24, 5]  # 25 and 40 rows went to oneDNN; 5 = the LM head (shared instance)
 
 
 def test_prepack_rejected_where_unsupported(tiny_llama_ckpt):
@@ -176,9 +207,11 @@ def test_fused_ops_options_and_missing_compiler(tiny_llama_ckpt, monkeypatch):
     monkeypatch.setenv("CC", "no-such-compiler-servelab")
     monkeypatch.setattr(native, "load", native.load.__wrapped__)  # skip the per-process cache
     with pytest.warns(UserWarning, match="no C compiler"):
-        assert not build(tiny_llama_ckpt, fused_ops="auto").fused
+        llm = build(tiny_llama_ckpt, fused_ops="auto")
+    assert not llm.fused and llm.model.layers[0].mlp.gate_up_proj.skinny is None  # oneDNN packing stays
+    assert llm.prepacked == onednn_linear_supported(torch.device("cpu"), torch.float32)
     with pytest.raises(native.NativeKernelUnavailable, match="no C compiler"):
-        build(tiny_llama_ckpt, fused_ops=True)
+        build(tiny_llama_ckpt, fused_ops=True, prepack=False)
 
 
 # -- runner: vectorised step preparation, no stale state across steps ----------------------------

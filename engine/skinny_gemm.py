@@ -1,0 +1,52 @@
+"""servelab's GEMM for few rows (``engine/csrc/gemm.c``): decode steps of small batches.
+
+A decode step multiplies every weight matrix by only ``B`` rows. General GEMMs (MKL, oneDNN)
+block for large matrices; at ``B <= 24`` on this project's 2-core AVX2 machines this kernel
+(weights repacked once into 24-column panels, a 4 x 24 register tile, K blocks that keep a panel
+slice in L1) measured 1.2-1.6x faster than oneDNN's prepacked linear over the 30 layers' shapes
+with weights streamed from memory, equal at 32 rows and slower above (docs/performance.md,
+section 9). So :class:`~engine.model.Linear` uses it up to ``skinny_max_rows`` rows and oneDNN
+above. Float32 CPU only; compiled on first use like the other C kernels (``engine/native.py``).
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from engine import native
+
+_P, _I64 = ctypes.c_void_p, ctypes.c_int64
+
+
+class SkinnyGemm:
+    """``pack`` a weight once, then ``linear(x, packed, bias, out_features)`` = ``x @ W.T + b``."""
+
+    def __init__(self) -> None:
+        self._numel = native.function("gemm", "packed_weight_numel", [_I64, _I64], _I64)
+        self._pack = native.function("gemm", "pack_weight_f32", [_P, _I64, _I64, _P])
+        self._gemm = native.function("gemm", "gemm_packed_f32", [_P, _I64, _I64, _I64, _P, _P, _I64, _P])
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """``weight [out, in]`` (float32, CPU) as 24-column panels, k-major (zero-padded)."""
+        if weight.dtype != torch.float32 or weight.device.type != "cpu":
+            raise ValueError(f"skinny GEMM packs float32 CPU weights; got {weight.dtype} on {weight.device}")
+        weight = weight.detach().contiguous()
+        out_features, in_features = weight.shape
+        packed = torch.empty(self._numel(out_features, in_features))
+        self._pack(weight.data_ptr(), out_features, in_features, packed.data_ptr())
+        return packed
+
+    def linear(
+        self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
+    ) -> torch.Tensor:
+        """``x [M, in] @ W.T (+ bias)`` -> ``[M, out_features]`` with ``packed = pack(W)``."""
+        if x.dtype != torch.float32 or x.device.type != "cpu":
+            raise ValueError(f"skinny GEMM runs float32 CPU inputs; got {x.dtype} on {x.device}")
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        rows, in_features = x.shape
+        out = torch.empty(rows, out_features)
+        bias_pointer = None if bias is None else bias.contiguous().data_ptr()
+        self._gemm(x.data_ptr(), rows, in_features, x.stride(0), packed.data_ptr(), bias_pointer, out_features, out.data_ptr())
+        return out
