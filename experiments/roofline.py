@@ -1,6 +1,6 @@
 """Decode-step roofline: how far is the engine's decode step from this machine's lower bound?
 
-    python -m experiments.roofline [--model smollm2-135m] [--dtype float32] [--device cpu]
+    python -m experiments.roofline [--model smollm2-135m] [--dtype float32] [--device cpu] [--attention auto]
                                    [--batch-sizes 1 8 32] [--context 128] [--steps 10] [--out DIR]
 
 1. Measures the machine: memory bandwidth (best of large tensor copies, counting the read and
@@ -135,7 +135,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES) + ["auto"])
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--attention", default="torch_sdpa")
+    parser.add_argument("--attention", default="auto",
+                        help="attention backend; auto = cpu_paged for float32 on CPU (servelab_best), else torch_sdpa")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--steps", type=int, default=10)
@@ -148,13 +149,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     prepack = {"true": True, "false": False}.get(str(args.prepack).lower(), args.prepack)
+    attention = args.attention
+    if attention == "auto":
+        attention = "cpu_paged" if device.type == "cpu" and dtype == torch.float32 else "torch_sdpa"
     bandwidth = measure_bandwidth(device)
     peak = measure_matmul_peak(device, dtype)
     print(f"machine: {device}, {torch.get_num_threads()} threads; bandwidth {bandwidth / 1e9:.1f} GB/s; "
-          f"matmul peak {peak / 1e9:.1f} GFLOP/s ({args.dtype})")
+          f"matmul peak {peak / 1e9:.1f} GFLOP/s ({args.dtype}); attention {attention}")
     # Room for every sequence's whole life at once, so all B run together (+1 block of slack each).
     per_seq = args.context + args.steps + 4 + max(args.batch_sizes) + 16
-    llm = LLM(model=args.model, device=str(device), dtype=args.dtype, attention=args.attention,
+    llm = LLM(model=args.model, device=str(device), dtype=args.dtype, attention=attention,
               max_num_seqs=max(args.batch_sizes), capacity_tokens=max(16384, max(args.batch_sizes) * per_seq),
               prepack=prepack)
     rows = []
@@ -165,7 +169,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         flop_s = cost.flops / peak
         bound = max(memory_s, flop_s)
         rows.append({
-            "model": args.model, "dtype": args.dtype, "device": str(device), "batch": batch, "context": args.context,
+            "model": args.model, "dtype": args.dtype, "device": str(device), "attention": attention,
+            "batch": batch, "context": args.context,
             "measured_ms": round(measured * 1e3, 2), "memory_bound_ms": round(memory_s * 1e3, 2),
             "flop_bound_ms": round(flop_s * 1e3, 2), "bound_ms": round(bound * 1e3, 2),
             "ratio": round(measured / bound, 2), "achieved_gflops": round(cost.flops / measured / 1e9, 1),
@@ -181,7 +186,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
             writer.writeheader()
             writer.writerows(rows)
-        header = (f"Decode-step roofline: {args.model}, {args.dtype} on {device}; bandwidth "
+        header = (f"Decode-step roofline: {args.model}, {args.dtype} on {device}, attention {attention}; bandwidth "
                   f"{bandwidth / 1e9:.1f} GB/s, matmul peak {peak / 1e9:.1f} GFLOP/s.\n\n")
         (args.out / "roofline.md").write_text(header + "\n".join(lines) + "\n")
     return rows

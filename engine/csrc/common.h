@@ -37,6 +37,17 @@ static inline f32x8 exp8(f32x8 x) {
     return p * (f32x8)two_to_n;
 }
 
+#if defined(__FMA__)
+#include <immintrin.h>
+static inline f32x8 fma8(f32x8 a, f32x8 b, f32x8 c) { return _mm256_fmadd_ps(a, b, c); }
+#else
+static inline f32x8 fma8(f32x8 a, f32x8 b, f32x8 c) { return a * b + c; }
+#endif
+
+static inline float sum8(f32x8 value) {
+    return ((value[0] + value[1]) + (value[2] + value[3])) + ((value[4] + value[5]) + (value[6] + value[7]));
+}
+
 static inline f32x8 load8(const float *source) {
     f32x8 value;
     memcpy(&value, source, sizeof value);
@@ -44,6 +55,21 @@ static inline f32x8 load8(const float *source) {
 }
 
 static inline void store8(float *target, f32x8 value) { memcpy(target, &value, sizeof value); }
+
+/* Four dot products of q with k0..k3 (n a multiple of 8): four independent FMA chains, so the
+ * FMA latency is hidden (one chain per dot would wait on itself every instruction). */
+static inline void dot4(const float *q, const float *k0, const float *k1, const float *k2, const float *k3,
+                        int64_t n, float *out) {
+    f32x8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    for (int64_t d = 0; d < n; d += 8) {
+        const f32x8 qv = load8(q + d);
+        a0 = fma8(qv, load8(k0 + d), a0);
+        a1 = fma8(qv, load8(k1 + d), a1);
+        a2 = fma8(qv, load8(k2 + d), a2);
+        a3 = fma8(qv, load8(k3 + d), a3);
+    }
+    out[0] = sum8(a0), out[1] = sum8(a1), out[2] = sum8(a2), out[3] = sum8(a3);
+}
 
 static inline float dot(const float *a, const float *b, int64_t n) {
     float sum = 0.0f;

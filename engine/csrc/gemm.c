@@ -14,13 +14,6 @@
 
 #include "common.h"
 
-#if defined(__FMA__)
-#include <immintrin.h>
-static inline f32x8 fma8(f32x8 a, f32x8 b, f32x8 c) { return _mm256_fmadd_ps(a, b, c); }
-#else
-static inline f32x8 fma8(f32x8 a, f32x8 b, f32x8 c) { return a * b + c; }
-#endif
-
 #define NR 24 /* output columns per panel: 3 vectors of 8 */
 #define MR 4  /* rows of x per register tile */
 #define KC 256 /* k per block: a 256 x 24 slice of a panel is 24 KB, inside a 32 KB L1 */

@@ -61,6 +61,18 @@ static void attend_item(
             key_rows[j] = k_cache + slot * slot_stride;
             value_rows[j] = v_cache + slot * slot_stride;
         }
+        /* The next tile's slots sit in another page (block) somewhere in the cache: ask for its
+         * K/V lines now, so they stream in while this tile computes (pages defeat the hardware
+         * prefetcher at every block boundary). */
+        const int64_t next_end = keys - tile_start - KEY_TILE < KEY_TILE ? keys - tile_start - KEY_TILE : KEY_TILE;
+        for (int64_t j = 0; j < next_end; ++j) {
+            const int64_t position = tile_start + KEY_TILE + j;
+            const int64_t slot = (int64_t)block_table[position / block_size] * block_size + position % block_size;
+            for (int64_t line = 0; line < slot_stride; line += 16) {
+                __builtin_prefetch(k_cache + slot * slot_stride + line);
+                __builtin_prefetch(v_cache + slot * slot_stride + line);
+            }
+        }
         for (int64_t v = 0; v < num_vectors; ++v) {
             const int64_t visible = last_key[v] - tile_start + 1; /* keys of this tile the vector sees */
             const int64_t count = visible < tile_len ? visible : tile_len;
@@ -69,11 +81,15 @@ static void attend_item(
                 continue;
             }
             float tile_max = -INFINITY;
-            for (int64_t j = 0; j < count; ++j) {
-                const float s = dot(q[v], key_rows[j] + kv_offset[v], head_dim);
-                scores[v][j] = s;
-                tile_max = s > tile_max ? s : tile_max;
+            int64_t j = 0;
+            if (head_dim % 8 == 0) {
+                const int64_t offset = kv_offset[v];
+                for (; j + 4 <= count; j += 4)
+                    dot4(q[v], key_rows[j] + offset, key_rows[j + 1] + offset, key_rows[j + 2] + offset,
+                         key_rows[j + 3] + offset, head_dim, scores[v] + j);
             }
+            for (; j < count; ++j) scores[v][j] = dot(q[v], key_rows[j] + kv_offset[v], head_dim);
+            for (j = 0; j < count; ++j) tile_max = scores[v][j] > tile_max ? scores[v][j] : tile_max;
             const float new_max = tile_max > running_max[v] ? tile_max : running_max[v];
             const float correction = expf(running_max[v] - new_max); /* 0 on the first tile */
             float *row = scores[v];
