@@ -1,10 +1,12 @@
 """The peer benchmark's table: servelab against the Hugging Face peers, per concurrency.
 
 ``python run.py +experiment=peer_benchmark`` runs servelab's best configuration,
-``hf_continuous`` and ``hf_static`` on one seeded burst workload, interleaved by concurrency,
-in one multirun; at its end this callback prints (and writes ``peer_table.md/.csv``) one table:
-output tok/s and p50/p99 TTFT per engine, plus the ratios servelab / peer (tok/s: higher is
-better for servelab; TTFT: lower is better for servelab).
+``hf_continuous`` and ``hf_static`` on one seeded burst workload, interleaved (per concurrency,
+each repeat runs the three engines back to back), in one multirun; at its end this callback
+prints (and writes ``peer_table.md/.csv``) one table: per engine the number of runs, the median
+output tok/s with its range, median p50/p99 TTFT, and the ratios of servelab's medians to the
+peer's (tok/s: higher is better for servelab; TTFT: lower is better for servelab). Medians of
+interleaved repeats, because whole runs drift by up to ~25% on a shared machine.
 ``python -m experiments.peer_table <sweep dir>`` rebuilds it from the run folders.
 """
 from __future__ import annotations
@@ -20,22 +22,26 @@ from experiments.report import ReportCallback, collect, markdown_table
 from experiments.results import unique_path
 
 SERVELAB = "servelab"
-METRICS = {"output_throughput": "output tok/s", "ttft_s_p50": "TTFT p50 (s)", "ttft_s_p99": "TTFT p99 (s)"}
+METRICS = {"output_throughput": "output tok/s", "ttft_s_p50": "TTFT p50 (s)", "ttft_s_p99": "TTFT p99 (s)"}  # medians
 
 
 def peer_table(frame: pd.DataFrame) -> pd.DataFrame:
-    """One row per (concurrency, engine) with the metrics and the servelab / engine ratios."""
+    """One row per (concurrency, engine): runs, medians over repeats, servelab / engine ratios."""
     done = frame[frame["status"] == "ok"]
     rows: list[dict[str, Any]] = []
     for concurrency, group in done.groupby("concurrency", sort=True):
-        ours = group[group["engine"] == SERVELAB]
-        for _, run in group.sort_values("engine", key=lambda s: s != SERVELAB).iterrows():
-            row = {"concurrency": concurrency, "engine": run["engine"]}
-            row.update({label: run[metric] for metric, label in METRICS.items()})
-            if not ours.empty and run["engine"] != SERVELAB:
-                best = ours.iloc[0]
-                row["servelab / this tok/s"] = best["output_throughput"] / run["output_throughput"]
-                row["servelab / this TTFT p50"] = best["ttft_s_p50"] / run["ttft_s_p50"]
+        by_engine = group.groupby("engine", sort=False)
+        medians = by_engine[list(METRICS)].median()
+        throughput = by_engine["output_throughput"]
+        low, high, runs = throughput.min(), throughput.max(), by_engine.size()
+        for engine in sorted(medians.index, key=lambda name: name != SERVELAB):  # stable: peers keep run order
+            row = {"concurrency": concurrency, "engine": engine, "runs": int(runs[engine])}
+            row.update({label: medians.at[engine, metric] for metric, label in METRICS.items()})
+            row["tok/s range"] = f"{low[engine]:.1f}-{high[engine]:.1f}"
+            if SERVELAB in medians.index and engine != SERVELAB:
+                ours = medians.loc[SERVELAB]
+                row["servelab / this tok/s"] = ours["output_throughput"] / medians.at[engine, "output_throughput"]
+                row["servelab / this TTFT p50"] = ours["ttft_s_p50"] / medians.at[engine, "ttft_s_p50"]
             rows.append(row)
     failed = frame[frame["status"] != "ok"]
     for _, run in failed.iterrows():
