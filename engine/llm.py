@@ -19,6 +19,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
+from engine import host_memory
 from engine.config import engine_config
 from engine.device import resolve_device, resolve_dtype
 from engine.fused_ops import FusedOps
@@ -58,6 +59,10 @@ class LLM:
             SiLU-and-multiply as fused C kernels (:mod:`engine.fused_ops`, compiled on first use)
             when running float32 on a CPU and a C compiler is found (else the eager PyTorch ops,
             with a warning); ``True`` requires them, ``False`` keeps the eager ops.
+        keep_freed_memory: performance option. ``"auto"`` (default) tunes glibc's ``malloc``
+            on CPU runs to keep freed activation buffers in the process instead of returning
+            and re-faulting them every step (:mod:`engine.host_memory`; process-wide; the process
+            keeps its peak heap). ``True`` requires glibc, ``False`` leaves ``malloc`` alone.
         cuda_graphs: performance option. ``True`` replays decode-only steps as CUDA graphs
             (captured per padded batch size and context bucket, see ``engine/cuda_graphs.py``);
             CUDA only, ignored elsewhere. ``False`` (default until checked on a GPU by
@@ -82,6 +87,7 @@ class LLM:
         prepack: bool | str = "auto",
         cuda_graphs: bool = False,
         fused_ops: bool | str = "auto",
+        keep_freed_memory: bool | str = "auto",
     ) -> None:
         cfg = engine_config(
             model, cache, scheduler, attention, device, dtype, weights, seed,
@@ -92,11 +98,13 @@ class LLM:
                 "chunked_prefill": chunked_prefill,
             },
         )
-        self.build(cfg, prepack=prepack, cuda_graphs=cuda_graphs, fused_ops=fused_ops)
+        self.build(cfg, prepack=prepack, cuda_graphs=cuda_graphs, fused_ops=fused_ops,
+                   keep_freed_memory=keep_freed_memory)
 
     @classmethod
     def from_config(
-        cls, cfg: DictConfig, prepack: bool | str = "auto", cuda_graphs: bool = False, fused_ops: bool | str = "auto"
+        cls, cfg: DictConfig, prepack: bool | str = "auto", cuda_graphs: bool = False, fused_ops: bool | str = "auto",
+        keep_freed_memory: bool | str = "auto",
     ) -> "LLM":
         """Build from a composed config with ``model``, ``cache``, ``scheduler``, ``attention``,
         ``device``, ``dtype`` and ``seed`` (what ``run.py`` gets from Hydra).
@@ -104,11 +112,13 @@ class LLM:
         Performance options (``conf/engine/servelab.yaml``) come as keyword arguments.
         """
         llm = cls.__new__(cls)
-        llm.build(cfg, prepack=prepack, cuda_graphs=cuda_graphs, fused_ops=fused_ops)
+        llm.build(cfg, prepack=prepack, cuda_graphs=cuda_graphs, fused_ops=fused_ops,
+                  keep_freed_memory=keep_freed_memory)
         return llm
 
     def build(
-        self, cfg: DictConfig, prepack: bool | str = "auto", cuda_graphs: bool = False, fused_ops: bool | str = "auto"
+        self, cfg: DictConfig, prepack: bool | str = "auto", cuda_graphs: bool = False, fused_ops: bool | str = "auto",
+        keep_freed_memory: bool | str = "auto",
     ) -> None:
         self.config = cfg
         self.device = resolve_device(cfg.device)
@@ -117,6 +127,7 @@ class LLM:
         self.model, self.model_config = load_model(checkpoint, self.dtype, self.device)
         self.prepacked = self.apply_prepack(prepack)
         self.fused = self.apply_fused_ops(fused_ops)
+        self.kept_freed_memory = self.apply_keep_freed_memory(keep_freed_memory)
         mc: ModelConfig = self.model_config
         self.cache = instantiate(cfg.cache)
         self.cache.bind_model_limits(mc.max_model_len)
@@ -170,6 +181,16 @@ class LLM:
             return False
         self.model.use_fused_ops(ops)
         return True
+
+    def apply_keep_freed_memory(self, keep: bool | str) -> bool:
+        if keep not in (True, False, "auto"):
+            raise ValueError(f"keep_freed_memory must be true, false or 'auto', got {keep!r}")
+        if keep is False or (keep == "auto" and self.device.type != "cpu"):
+            return False
+        applied = host_memory.keep_freed_memory()
+        if keep is True and not applied:
+            raise ValueError("keep_freed_memory=True needs glibc's mallopt (Linux with glibc)")
+        return applied
 
     # -- requests ---------------------------------------------------------------------------
     @staticmethod

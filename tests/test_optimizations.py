@@ -5,6 +5,7 @@
 * The runner's vectorised step preparation (decode-only fast path, cached ``arange``): its
   metadata equals a straightforward per-row reference on ragged, chunked and decode steps, and
   an engine serving two different workloads back to back gives what fresh engines give.
+* glibc malloc tuning (``LLM(keep_freed_memory=...)``): the option's values.
 * Fused CPU kernels (``LLM(fused_ops=...)``, ``engine/fused_ops.py``): each kernel against the
   eager PyTorch form it replaces; the engine with them gives the eager engine's and HF's greedy
   tokens, logits within float32 noise; bad options and a missing compiler are reported.
@@ -212,6 +213,17 @@ def test_fused_ops_options_and_missing_compiler(tiny_llama_ckpt, monkeypatch):
     assert llm.prepacked == onednn_linear_supported(torch.device("cpu"), torch.float32)
     with pytest.raises(native.NativeKernelUnavailable, match="no C compiler"):
         build(tiny_llama_ckpt, fused_ops=True, prepack=False)
+
+
+def test_keep_freed_memory_option(tiny_llama_ckpt):
+    """glibc malloc tuning (engine/host_memory.py): on by default for CPU runs where glibc exists,
+    off on request; every other test of the suite runs with it on (outputs unchanged)."""
+    import platform
+
+    with pytest.raises(ValueError, match="keep_freed_memory"):
+        build(tiny_llama_ckpt, keep_freed_memory="yes")
+    assert build(tiny_llama_ckpt).kept_freed_memory == (platform.libc_ver()[0] == "glibc")
+    assert not build(tiny_llama_ckpt, keep_freed_memory=False).kept_freed_memory
 
 
 # -- runner: vectorised step preparation, no stale state across steps ----------------------------
