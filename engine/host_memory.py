@@ -7,7 +7,7 @@ page-faults and zeroes the same megabytes again. PyTorch's CPU performance guide
 backend recommend jemalloc or tcmalloc for this reason; with glibc the same effect is three
 ``mallopt`` settings: serve blocks up to 32 MiB from the heap (``M_MMAP_THRESHOLD``), never trim
 the heap (``M_TRIM_THRESHOLD = -1``) and grow it 64 MiB at a time (``M_TOP_PAD``). Measured on the
-c=32 burst (docs/performance.md, 9.7): the first (2,455-token) prefill step 5.2-6.0 s -> 4.3-4.5 s.
+c=32 burst (docs/performance.md, 9.4): the first (2,455-token) prefill step 5.2-6.0 s -> 4.3-4.5 s.
 
 The cost: the process keeps its peak heap instead of returning it, as a server that preallocates
 would. The settings are process-wide (anything else running in the process, e.g. the HF peers
