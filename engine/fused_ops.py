@@ -23,8 +23,7 @@ _P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c
 
 
 def _check(tensor: torch.Tensor, label: str) -> None:
-    if tensor.dtype != torch.float32 or tensor.device.type != "cpu":
-        raise ValueError(f"fused ops run float32 CPU tensors; {label} is {tensor.dtype} on {tensor.device}")
+    native.require_cpu_float32(tensor, "fused ops", label)
 
 
 class FusedOps:

@@ -36,6 +36,18 @@ from engine.skinny_gemm import SkinnyGemm
 from strategies.scheduler.base import SchedulerOutput
 
 
+def _option_enabled(name: str, value: bool | str, supported: bool, requirement: str) -> bool:
+    """Resolve an ``auto | true | false`` performance option: whether to apply it here.
+
+    ``True`` where it is not ``supported`` raises (naming ``requirement``); ``"auto"`` applies it
+    only where supported; anything else is rejected."""
+    if value not in (True, False, "auto"):
+        raise ValueError(f"{name} must be true, false or 'auto', got {value!r}")
+    if value is True and not supported:
+        raise ValueError(f"{name}=True needs {requirement}")
+    return value is not False and supported
+
+
 class LLM:
     """A serving engine over one model with one cache, scheduler and attention strategy.
 
@@ -150,11 +162,7 @@ class LLM:
 
     def apply_prepack(self, prepack: bool | str) -> bool:
         supported = onednn_linear_supported(self.device, self.dtype)
-        if prepack not in (True, False, "auto"):
-            raise ValueError(f"prepack must be true, false or 'auto', got {prepack!r}")
-        if prepack is True and not supported:
-            raise ValueError(f"prepack=True needs float32 on a CPU with oneDNN (got {self.dtype} on {self.device})")
-        if prepack is False or not supported:
+        if not _option_enabled("prepack", prepack, supported, f"float32 on a CPU with oneDNN (got {self.dtype} on {self.device})"):
             return False
         try:
             skinny_gemm = SkinnyGemm()
@@ -166,11 +174,7 @@ class LLM:
 
     def apply_fused_ops(self, fused_ops: bool | str) -> bool:
         supported = self.device.type == "cpu" and self.dtype == torch.float32
-        if fused_ops not in (True, False, "auto"):
-            raise ValueError(f"fused_ops must be true, false or 'auto', got {fused_ops!r}")
-        if fused_ops is True and not supported:
-            raise ValueError(f"fused_ops=True needs float32 on a CPU (got {self.dtype} on {self.device})")
-        if fused_ops is False or not supported:
+        if not _option_enabled("fused_ops", fused_ops, supported, f"float32 on a CPU (got {self.dtype} on {self.device})"):
             return False
         try:
             ops = FusedOps()
@@ -183,9 +187,8 @@ class LLM:
         return True
 
     def apply_keep_freed_memory(self, keep: bool | str) -> bool:
-        if keep not in (True, False, "auto"):
-            raise ValueError(f"keep_freed_memory must be true, false or 'auto', got {keep!r}")
-        if keep is False or (keep == "auto" and self.device.type != "cpu"):
+        # Supported is only known by trying (glibc): True is checked after applying, below.
+        if not _option_enabled("keep_freed_memory", keep, keep is True or self.device.type == "cpu", ""):
             return False
         applied = host_memory.keep_freed_memory()
         if keep is True and not applied:

@@ -23,6 +23,8 @@ import subprocess
 from functools import cache
 from pathlib import Path
 
+import torch
+
 from engine.paths import cache_root
 
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
@@ -70,6 +72,12 @@ def load(name: str) -> ctypes.CDLL:
             raise NativeKernelUnavailable(f"compiling {source.name} failed ({' '.join(command)}):\n{result.stderr[-2000:]}")
         os.replace(tmp, library)
     return ctypes.CDLL(str(library))
+
+
+def require_cpu_float32(tensor, user: str, label: str, hint: str = "") -> None:
+    """Raise ``ValueError`` unless ``tensor`` is float32 on the CPU: all the C kernels assume it."""
+    if tensor.dtype != torch.float32 or tensor.device.type != "cpu":
+        raise ValueError(f"{user} runs float32 on the CPU; {label} is {tensor.dtype} on {tensor.device}{hint}")
 
 
 def function(library: str, name: str, argtypes: list, restype=None):

@@ -29,8 +29,7 @@ class SkinnyGemm:
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         """``weight [out, in]`` (float32, CPU) as 24-column panels, k-major (zero-padded)."""
-        if weight.dtype != torch.float32 or weight.device.type != "cpu":
-            raise ValueError(f"skinny GEMM packs float32 CPU weights; got {weight.dtype} on {weight.device}")
+        native.require_cpu_float32(weight, "the skinny GEMM", "the weight")
         weight = weight.detach().contiguous()
         out_features, in_features = weight.shape
         packed = torch.empty(self._numel(out_features, in_features))
@@ -41,8 +40,7 @@ class SkinnyGemm:
         self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
     ) -> torch.Tensor:
         """``x [M, in] @ W.T (+ bias)`` -> ``[M, out_features]`` with ``packed = pack(W)``."""
-        if x.dtype != torch.float32 or x.device.type != "cpu":
-            raise ValueError(f"skinny GEMM runs float32 CPU inputs; got {x.dtype} on {x.device}")
+        native.require_cpu_float32(x, "the skinny GEMM", "the input")
         if x.stride(1) != 1:
             x = x.contiguous()
         rows, in_features = x.shape

@@ -52,6 +52,28 @@ def serve(llm: LLM, prompts, max_tokens) -> list[list[int]]:
     return [output.token_ids for output in outputs]
 
 
+def assert_same_tokens_as_reference_and_hf(ckpt, fast: LLM, reference: LLM, seed: int) -> None:
+    """The optimised engine serves a ragged batch with the reference engine's and HF's greedy tokens."""
+    prompts = ragged_prompts(seed, 7, fast.model_config.vocab_size)
+    max_tokens = [1, 4, 9, 6, 12, 3, 8]
+    tokens = serve(fast, prompts, max_tokens)
+    assert tokens == serve(reference, prompts, max_tokens)
+    for prompt, budget, generated in zip(prompts, max_tokens, tokens):
+        assert generated == hf_greedy(str(ckpt), tuple(prompt), budget)
+
+
+def first_step_logits(llms: tuple[LLM, ...], prompts) -> list[torch.Tensor]:
+    """Each engine's logits for the first (prefill) step of ``prompts``; nothing else is run."""
+    logits = []
+    for llm in llms:
+        for prompt in prompts:
+            llm.add_request(prompt, SamplingParams(max_tokens=2, ignore_eos=True))
+        plan = llm.scheduler.schedule()
+        logits.append(llm.runner.execute(llm.runner.prepare(plan.scheduled)))
+        llm.scheduler.retire([])  # keep the requests; nothing else is run
+    return logits
+
+
 # -- prepacked (oneDNN) linears -------------------------------------------------------------------
 @needs_onednn
 @pytest.mark.parametrize("ckpt_name", ["tiny_llama_ckpt", "tiny_qwen2_ckpt", "odd_ckpt"])
@@ -59,12 +81,7 @@ def test_prepacked_linears_keep_tokens_equal_to_plain_and_hf(ckpt_name, request)
     ckpt = request.getfixturevalue(ckpt_name)
     packed, plain = build(ckpt, prepack=True), build(ckpt, prepack=False)
     assert packed.prepacked and not plain.prepacked
-    prompts = ragged_prompts(0, 7, packed.model_config.vocab_size)
-    max_tokens = [1, 4, 9, 6, 12, 3, 8]
-    tokens = serve(packed, prompts, max_tokens)
-    assert tokens == serve(plain, prompts, max_tokens)
-    for prompt, budget, generated in zip(prompts, max_tokens, tokens):
-        assert generated == hf_greedy(str(ckpt), tuple(prompt), budget)
+    assert_same_tokens_as_reference_and_hf(ckpt, packed, plain, seed=0)
 
 
 @needs_onednn
@@ -72,14 +89,7 @@ def test_prepacked_logits_close_to_plain(odd_ckpt):
     """Untied LM head and q/k/v/o biases through the packed path: logits within float32 noise."""
     packed, plain = build(odd_ckpt, prepack=True), build(odd_ckpt, prepack=False)
     prompts = ragged_prompts(3, 5, packed.model_config.vocab_size, min_len=2)
-    logits = []
-    for llm in (packed, plain):
-        for prompt in prompts:
-            llm.add_request(prompt, SamplingParams(max_tokens=2, ignore_eos=True))
-        plan = llm.scheduler.schedule()
-        inputs = llm.runner.prepare(plan.scheduled)
-        logits.append(llm.runner.execute(inputs))
-        llm.scheduler.retire([])  # keep the requests; nothing else is run
+    logits = first_step_logits((packed, plain), prompts)
     assert logits[0].shape == (len(prompts), packed.model_config.vocab_size)
     torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
     assert torch.equal(logits[0].argmax(-1), logits[1].argmax(-1))
@@ -178,24 +188,12 @@ def test_fused_ops_keep_tokens_equal_to_eager_and_hf(ckpt_name, request):
     ckpt = request.getfixturevalue(ckpt_name)
     fused, eager = build(ckpt, fused_ops=True, attention="cpu_paged"), build(ckpt, fused_ops=False)
     assert fused.fused and not eager.fused
-    prompts = ragged_prompts(1, 7, fused.model_config.vocab_size)
-    max_tokens = [1, 4, 9, 6, 12, 3, 8]
-    tokens = serve(fused, prompts, max_tokens)
-    assert tokens == serve(eager, prompts, max_tokens)
-    for prompt, budget, generated in zip(prompts, max_tokens, tokens):
-        assert generated == hf_greedy(str(ckpt), tuple(prompt), budget)
+    assert_same_tokens_as_reference_and_hf(ckpt, fused, eager, seed=1)
 
 
 def test_fused_ops_logits_close_to_eager(odd_ckpt):
     fused, eager = build(odd_ckpt, fused_ops=True), build(odd_ckpt, fused_ops=False)
-    prompts = ragged_prompts(4, 5, fused.model_config.vocab_size, min_len=2)
-    logits = []
-    for llm in (fused, eager):
-        for prompt in prompts:
-            llm.add_request(prompt, SamplingParams(max_tokens=2, ignore_eos=True))
-        plan = llm.scheduler.schedule()
-        logits.append(llm.runner.execute(llm.runner.prepare(plan.scheduled)))
-        llm.scheduler.retire([])
+    logits = first_step_logits((fused, eager), ragged_prompts(4, 5, fused.model_config.vocab_size, min_len=2))
     torch.testing.assert_close(logits[0], logits[1], rtol=1e-5, atol=1e-5)
 
 

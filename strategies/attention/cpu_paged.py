@@ -50,6 +50,17 @@ def _token_rows(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def _kernel_ints(metadata: AttentionMetadata) -> tuple[torch.Tensor, ...]:
+    """The step's index tensors in the dtypes the C signature reads (int64 slots, int32 rest: the
+    metadata's documented dtypes, so these are no-op conversions), once per step for all layers."""
+    return (
+        metadata.slot_mapping.to(torch.int64).contiguous(),
+        metadata.block_tables.to(torch.int32).contiguous(),
+        metadata.context_lens.to(torch.int32).contiguous(),
+        metadata.query_start_loc.to(torch.int32).contiguous(),
+    )
+
+
 class CpuPagedBackend:
     """Fused paged attention for CPU float32 (C kernel, OpenMP over sequences x KV heads)."""
 
@@ -69,11 +80,9 @@ class CpuPagedBackend:
         scale: float,
     ) -> torch.Tensor:
         """Attention of ``query [T, Hq, D]`` over each sequence's context -> ``[T, Hq, D]``."""
-        if query.device.type != "cpu" or query.dtype != torch.float32 or k_cache.dtype != torch.float32:
-            raise ValueError(
-                f"attention=cpu_paged runs float32 on the CPU; got {query.dtype} on {query.device} "
-                "(use torch_sdpa, or triton_paged on CUDA)"
-            )
+        hint = " (use torch_sdpa, or triton_paged on CUDA)"
+        native.require_cpu_float32(query, "attention=cpu_paged", "the query", hint)
+        native.require_cpu_float32(k_cache, "attention=cpu_paged", "the KV cache", hint)
         num_tokens, num_heads, head_dim = query.shape
         num_kv_heads = k_cache.shape[2]
         if head_dim > _MAX_HEAD_DIM or num_heads > _MAX_HEADS:
@@ -87,11 +96,9 @@ class CpuPagedBackend:
             key, value = key.contiguous(), value.contiguous()
         if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
             raise ValueError("cpu_paged: the KV caches must be contiguous tensors")
-        slot_mapping = metadata.slot_mapping.to(torch.int64).contiguous()
-        # The C signature reads int32 (the metadata's documented dtype): no-op conversions then.
-        block_tables = metadata.block_tables.to(torch.int32).contiguous()
-        context_lens = metadata.context_lens.to(torch.int32).contiguous()
-        query_start_loc = metadata.query_start_loc.to(torch.int32).contiguous()
+        slot_mapping, block_tables, context_lens, query_start_loc = metadata.cached(
+            "cpu_paged.ints", lambda: _kernel_ints(metadata)
+        )
         out = torch.empty(num_tokens, num_heads, head_dim, dtype=query.dtype)
         status = self._paged_attention(
             query.data_ptr(), query.stride(0), key.data_ptr(), value.data_ptr(), key.stride(0),
