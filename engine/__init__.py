@@ -4,8 +4,8 @@ from engine.sampling_params import SamplingParams
 
 
 def __getattr__(name: str):
-    # Imported on first use: engine.llm imports strategies/, which import engine.sequence,
-    # so an eager import here would be circular (and pull torch + Hydra into every import).
+    # Imported on first use: engine.llm pulls in torch + Hydra, which plain imports of
+    # SamplingParams / RequestOutput (e.g. by a strategy module) should not pay for.
     if name == "LLM":
         from engine.llm import LLM
 

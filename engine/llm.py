@@ -33,7 +33,7 @@ from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, SequenceStatus
 from engine.skinny_gemm import SkinnyGemm
-from strategies.scheduler.base import SchedulerOutput
+from engine.interfaces.scheduler import SchedulerOutput
 
 
 def _option_enabled(name: str, value: bool | str, supported: bool, requirement: str) -> bool:

@@ -31,7 +31,7 @@ from engine.attention_metadata import AttentionMetadata
 from engine.fused_ops import FusedOps
 from engine.model_config import ModelConfig
 from engine.skinny_gemm import SkinnyGemm
-from strategies.attention.base import AttentionBackend
+from engine.interfaces.attention import AttentionBackend
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 AttentionParts = list[tuple[int, int, AttentionMetadata]]  # (row_start, row_end, metadata of those rows)

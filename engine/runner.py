@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention_metadata import AttentionMetadata
-from strategies.attention.base import AttentionBackend
-from strategies.cache.base import KVCacheStrategy
-from strategies.scheduler.base import ScheduledSequence
+from engine.interfaces.attention import AttentionBackend
+from engine.interfaces.cache import KVCacheStrategy
+from engine.interfaces.scheduler import ScheduledSequence
 
 
 @dataclass

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.attention_metadata import AttentionMetadata
-from strategies.attention.base import AttentionBackend
+from engine.interfaces.attention import AttentionBackend
 from strategies.attention.cpu_paged import CpuPagedBackend
 from strategies.attention.eager import EagerBackend
 from strategies.attention.torch_sdpa import TorchSDPABackend

@@ -21,7 +21,7 @@ from omegaconf import OmegaConf
 from engine.config import CONF_DIR
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
-from strategies.cache.base import KVCacheStrategy
+from engine.interfaces.cache import KVCacheStrategy
 from strategies.cache.contiguous import ContiguousCache, FirstFitArena, ReservePolicy
 from strategies.cache.paged import PagedCache
 from strategies.cache.prefix import PrefixCache

@@ -21,7 +21,7 @@ from engine.attention_metadata import AttentionMetadata
 from engine.loader import build_random_checkpoint, checkpoint_for_spec, load_model, model_spec, resolve_checkpoint
 from engine.model import CausalLM
 from engine.model_config import ModelConfig
-from strategies.attention.base import AttentionBackend, write_kv
+from engine.interfaces.attention import AttentionBackend, write_kv
 
 BLOCK_SIZE = 4
 PROMPTS = [[5, 17, 42, 9, 77, 3, 120, 64, 11, 200, 31], [8, 250, 13, 99, 4, 150]]  # ragged, cross blocks

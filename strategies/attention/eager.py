@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from engine.attention_metadata import AttentionMetadata
-from strategies.attention.base import write_kv
+from engine.interfaces.attention import write_kv
 from strategies.attention.gather import group_step, ungroup_output
 
 

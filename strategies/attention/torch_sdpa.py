@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention_metadata import AttentionMetadata
-from strategies.attention.base import write_kv
+from engine.interfaces.attention import write_kv
 from strategies.attention.gather import group_step, ungroup_output
 
 

@@ -15,7 +15,7 @@ without copies) and decode steps (one token per sequence) still fill a ``tl.dot`
 program walks the context in tiles of ``block_n`` keys with an online (flash) softmax:
 running max ``m``, running sum ``l``, rescaled accumulator. Tiles need not align with cache
 blocks, so any ``block_size`` works (a one-block contiguous cache too). The new tokens' K/V are
-written first with the shared :func:`~strategies.attention.base.write_kv` (vLLM fuses this
+written first with the shared :func:`~engine.interfaces.attention.write_kv` (vLLM fuses this
 as ``reshape_and_cache``), so prefill, chunked prefill with cached context, and decode are one
 code path.
 
@@ -37,7 +37,7 @@ from __future__ import annotations
 import torch
 
 from engine.attention_metadata import AttentionMetadata
-from strategies.attention.base import write_kv
+from engine.interfaces.attention import write_kv
 
 try:
     import triton

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from engine.sequence import Sequence
-from strategies.cache.base import CacheStats, allocate_kv_tensors
+from engine.interfaces.cache import CacheStats, allocate_kv_tensors
 from strategies.cache.block_pool import BlockPool
 
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from itertools import count
 
 from engine.sequence import Sequence
-from strategies.cache.base import CacheStats
+from engine.interfaces.cache import CacheStats
 from strategies.cache.block_pool import BlockPool
 from strategies.cache.paged import PagedCache
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections import deque
 
 from engine.sequence import Sequence, SequenceStatus
-from strategies.cache.base import KVCacheStrategy
-from strategies.scheduler.base import ScheduledSequence, SchedulerOutput
+from engine.interfaces.cache import KVCacheStrategy
+from engine.interfaces.scheduler import ScheduledSequence, SchedulerOutput
 
 
 class ContinuousScheduler:

@@ -12,7 +12,7 @@ recompute is its default for small models, and the only mode here.)
 from __future__ import annotations
 
 from engine.sequence import Sequence, SequenceStatus
-from strategies.scheduler.base import SchedulerOutput
+from engine.interfaces.scheduler import SchedulerOutput
 from strategies.scheduler.continuous import ContinuousScheduler
 
 

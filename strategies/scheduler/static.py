@@ -9,7 +9,7 @@ in the step records. Its memory is freed only when the whole batch ends.
 from __future__ import annotations
 
 from engine.sequence import Sequence
-from strategies.scheduler.base import ScheduledSequence, SchedulerOutput
+from engine.interfaces.scheduler import ScheduledSequence, SchedulerOutput
 from strategies.scheduler.continuous import ContinuousScheduler
 
 
