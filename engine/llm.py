@@ -33,6 +33,7 @@ from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, SequenceStatus
 from engine.skinny_gemm import SkinnyGemm
+from engine.step_shape import StepShape
 from engine.interfaces.scheduler import SchedulerOutput
 
 
@@ -141,10 +142,8 @@ class LLM:
         self.fused = self.apply_fused_ops(fused_ops)
         self.kept_freed_memory = self.apply_keep_freed_memory(keep_freed_memory)
         mc: ModelConfig = self.model_config
-        self.cache = instantiate(cfg.cache)
-        self.cache.bind_model_limits(mc.max_model_len)
+        self.build_scheduling(cfg)
         self.cache.allocate_tensors(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, self.dtype, self.device)
-        self.scheduler = instantiate(cfg.scheduler, cache=self.cache, max_model_len=mc.max_model_len)
         self.attention = instantiate(cfg.attention)
         self.runner = ModelRunner(self.model, self.cache, self.attention, self.device)
         if cuda_graphs and self.device.type == "cuda":
@@ -156,6 +155,15 @@ class LLM:
                 max_context=min(mc.max_model_len, self.cache.max_tokens_per_seq()),
             )
         self.sampler = Sampler(cfg.seed)
+
+    def build_scheduling(self, cfg: DictConfig) -> None:
+        """The model-independent half of the engine: cache and scheduler from ``cfg.cache`` /
+        ``cfg.scheduler`` (Hydra instantiate), the step records and the request ids. Needs
+        ``self.model_config``; the simulator (``simulator/``) builds on this alone."""
+        mc: ModelConfig = self.model_config
+        self.cache = instantiate(cfg.cache)
+        self.cache.bind_model_limits(mc.max_model_len)
+        self.scheduler = instantiate(cfg.scheduler, cache=self.cache, max_model_len=mc.max_model_len)
         self.step_records: list[StepRecord] = []
         self.request_counter = itertools.count()
         self.prefix_hits_so_far = 0
@@ -256,10 +264,7 @@ class LLM:
         next_tokens = self.sampler(logits, [item.seq for item in inputs.sampled])
         now = self.clock()
 
-        num_decode_tokens = sum(
-            1 for item in plan.scheduled
-            if not item.is_padding and item.seq.num_output_tokens > 0 and item.seq.num_uncomputed_tokens == 1
-        )
+        shape = StepShape.of(plan.scheduled)
         for item in plan.scheduled:
             if not item.is_padding:
                 item.seq.num_computed_tokens += item.num_new_tokens
@@ -268,7 +273,7 @@ class LLM:
             item.seq for item, token in zip(inputs.sampled, next_tokens)
             if not item.is_padding and self.append_token(item.seq, token, now)
         ]
-        self.record_step(plan, start, num_decode_tokens)
+        self.record_step(plan, start, shape)
         self.scheduler.retire(finished)
         return [RequestOutput.from_sequence(seq) for seq in finished]
 
@@ -287,12 +292,11 @@ class LLM:
         seq.finish_time = now
         return True
 
-    def record_step(self, plan: SchedulerOutput, start: float, num_decode_tokens: int) -> None:
+    def record_step(self, plan: SchedulerOutput, start: float, shape: StepShape) -> None:
         stats = self.cache.stats()
         end = self.clock()
         prefix_hits = stats.prefix_hit_tokens - self.prefix_hits_so_far
         self.prefix_hits_so_far = stats.prefix_hit_tokens
-        num_wasted = plan.num_wasted_slots
         self.step_records.append(
             StepRecord(
                 step=len(self.step_records),
@@ -300,9 +304,9 @@ class LLM:
                 end_time=end,
                 duration_s=end - start,
                 num_seqs=len(plan.scheduled),
-                num_prefill_tokens=plan.num_batched_tokens - num_decode_tokens - num_wasted,
-                num_decode_tokens=num_decode_tokens,
-                num_wasted_slots=num_wasted,
+                num_prefill_tokens=shape.num_prefill_tokens,
+                num_decode_tokens=shape.num_decode_tokens,
+                num_wasted_slots=shape.num_wasted_slots,
                 kv_used_tokens=stats.used_tokens,
                 kv_reserved_tokens=stats.reserved_tokens,
                 kv_capacity_tokens=stats.capacity_tokens,
@@ -311,6 +315,8 @@ class LLM:
                 num_waiting=self.scheduler.num_waiting,
                 num_running=self.scheduler.num_running,
                 forward_passes=1,
+                context_tokens=shape.context_tokens,
+                attention_pairs=shape.attention_pairs,
             )
         )
 

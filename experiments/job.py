@@ -51,6 +51,8 @@ def run_labels(cfg: DictConfig, choices: dict[str, Any], overrides: list[str]) -
     labels["device"] = cfg.get("device")
     labels["dtype"] = cfg.get("dtype")
     labels["seed"] = cfg.get("seed")
+    if labels["engine"] == "simulated":
+        labels["hardware"] = choices.get("hardware")
     labels["overrides"] = " ".join(overrides)
     return labels
 
@@ -63,6 +65,9 @@ def _measure(cfg: DictConfig, out_dir: Path, summary: dict[str, Any]) -> list[Pa
     engine = instantiate(cfg.engine)(cfg)
     try:
         model_config = engine.model_config
+        if hasattr(engine, "describe"):  # the simulator: what its times are (projected or calibrated)
+            summary["simulation"] = engine.describe()
+            summary["run"]["timing"] = summary["simulation"]["timing"]
         special = special_token_ids(model_config)
         requests = instantiate(cfg.workload, vocab_size=model_config.vocab_size, special_token_ids=special)
         warm_up(engine, warmup_requests(model_config.vocab_size, special, cfg.driver.warmup_requests))

@@ -122,8 +122,10 @@ def summary_table(summary: dict[str, Any]) -> str:
 
 def summary_markdown(summary: dict[str, Any]) -> str:
     run = summary.get("run", {})
-    title = " · ".join(f"{k}={v}" for k, v in run.items() if k in ("engine", "model", "cache", "scheduler", "attention", "workload"))
+    title = " · ".join(f"{k}={v}" for k, v in run.items() if k in ("engine", "model", "cache", "scheduler", "attention", "workload", "hardware"))
     parts = [f"# servelab run: {title}", ""]
+    if summary.get("simulation"):
+        parts += [f"**Simulated**: times are {summary['simulation']['timing']}.", ""]
     if summary.get("status") != "ok":
         parts += [f"**FAILED**: `{summary.get('error')}`", ""]
     parts += [summary_table(summary), ""]
