@@ -20,6 +20,7 @@ from typing import Any
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from engine.config import available, engine_config, load_group_option
 from engine.llm import LLM
 from simulator import model_shapes
 from simulator.cost_model import CostModel
@@ -46,7 +47,37 @@ def kv_capacity_from_memory(hardware: Hardware, model_config, memory_utilization
 
 
 class SimulatedLLM(LLM):
-    """The engine's surface on a virtual clock. Build with :meth:`from_config` (``engine=simulated``)."""
+    """The engine's surface on a virtual clock.
+
+    ``SimulatedLLM(model="llama-3.1-8b", hardware="h100", cache="paged", ...)`` takes ``LLM``'s
+    strategy arguments plus ``hardware`` (``conf/hardware/<name>.yaml``); ``engine=simulated``
+    builds it with :meth:`from_config`. An explicit ``capacity_tokens`` wins over the budget
+    derived from the hardware's memory.
+    """
+
+    def __init__(  # noqa: PLR0913 -- mirrors LLM's keyword surface
+        self,
+        model: str = "smollm2-135m",
+        hardware: str = "h100",
+        cache: str = "paged",
+        scheduler: str = "continuous",
+        block_size: int | None = None,
+        capacity_tokens: int | None = None,
+        max_num_seqs: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        chunked_prefill: bool | None = None,
+        seed: int = 0,
+        memory_utilization: float = 0.9,
+        mean_output_tokens: float | None = None,
+    ) -> None:
+        cfg = engine_config(
+            model, cache, scheduler, "torch_sdpa", "cpu", "float32", "random", seed,
+            cache_options={"block_size": block_size, "capacity_tokens": capacity_tokens},
+            scheduler_options={"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
+                               "chunked_prefill": chunked_prefill},
+        )
+        self.build_simulated(cfg, instantiate(load_group_option("hardware", hardware, {})),
+                             None if capacity_tokens is not None else "auto", memory_utilization, mean_output_tokens)
 
     @classmethod
     def from_config(  # type: ignore[override]
@@ -64,8 +95,6 @@ class SimulatedLLM(LLM):
                 output-length distribution for requests without ``ignore_eos``.
         """
         if cfg.get("hardware") is None:
-            from engine.config import available
-
             raise ValueError(f"engine=simulated needs hardware=<name>; known: {', '.join(available('hardware'))}")
         llm = cls.__new__(cls)
         llm.build_simulated(cfg, instantiate(cfg.hardware), kv_capacity, memory_utilization, mean_output_tokens)
@@ -75,7 +104,7 @@ class SimulatedLLM(LLM):
         self, cfg: DictConfig, hardware: Hardware, kv_capacity: int | str | None, memory_utilization: float,
         mean_output_tokens: float | None,
     ) -> None:
-        self.model_config = model_shapes.model_config_for_costs(OmegaConf.to_container(cfg.model.hf_config, resolve=True))
+        self.model_config = model_shapes.model_config_for_costs(model_shapes.hf_config_of(cfg.model))
         self.hardware = hardware
         model_name = cfg.model.get("name")
         if hardware.calibrated and hardware.calibrated_model not in (None, model_name):

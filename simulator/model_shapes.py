@@ -6,10 +6,25 @@ parses a model config with it removed; the real engine still rejects it.
 """
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
+from omegaconf import DictConfig, OmegaConf
+
 from engine.model_config import ModelConfig
+
+
+def hf_config_of(model_node: Mapping[str, Any]) -> dict[str, Any]:
+    """The HF config of a ``cfg.model`` node: its ``hf_config`` (named models) or the
+    ``config.json`` of its checkpoint folder (``path``); no weights are read."""
+    node = OmegaConf.to_container(model_node, resolve=True) if isinstance(model_node, DictConfig) else dict(model_node)
+    if node.get("hf_config"):
+        return dict(node["hf_config"])
+    if node.get("path") and (Path(node["path"]) / "config.json").is_file():
+        return json.loads((Path(node["path"]) / "config.json").read_text())
+    raise ValueError(f"model {node.get('name')!r} has neither hf_config nor a folder with config.json")
 
 
 def model_config_for_costs(hf_config: Mapping[str, Any]) -> ModelConfig:
