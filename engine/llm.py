@@ -315,6 +315,7 @@ class LLM:
                 num_waiting=self.scheduler.num_waiting,
                 num_running=self.scheduler.num_running,
                 forward_passes=1,
+                num_sampled=shape.num_sampled,
                 context_tokens=shape.context_tokens,
                 attention_pairs=shape.attention_pairs,
             )

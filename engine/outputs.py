@@ -72,6 +72,7 @@ class StepRecord:
         prefix_hit_tokens: prompt tokens whose prefill this step's admissions skipped.
         num_waiting / num_running: queue and running set after scheduling.
         forward_passes: model forward passes in the step (1 when anything ran).
+        num_sampled: rows whose logits the step computed (the LM head's rows).
         context_tokens: keys read by attention, summed over the step's sequences (KV read).
         attention_pairs: causal query-key pairs of the step (the quadratic prefill term);
             see :mod:`engine.step_shape`. ``None`` where an engine does not know them (peers).
@@ -93,5 +94,6 @@ class StepRecord:
     num_waiting: int
     num_running: int
     forward_passes: int
+    num_sampled: int | None = None
     context_tokens: int | None = None
     attention_pairs: int | None = None

@@ -90,41 +90,65 @@ class CostModel:
 
 @dataclass(frozen=True)
 class Fit:
-    """Result of a calibration fit: coefficients by name, R^2 and residual spread."""
+    """Result of a calibration fit.
+
+    Attributes:
+        coefficients: fitted values by name (:data:`FIT_TERMS`).
+        r_squared: share of the variance of the kept steps' durations the fit explains.
+        num_steps: steps offered; num_kept: steps the final fit used (the rest were disturbed).
+        median_abs_rel_error: median |predicted - measured| / measured over the kept steps.
+    """
 
     coefficients: dict[str, float]
     r_squared: float
     num_steps: int
+    num_kept: int
     median_abs_rel_error: float
 
 
-def fit_coefficients(terms: Sequence[StepTerms], seconds: Sequence[float]) -> Fit:
-    """Non-negative least squares of ``seconds`` on the steps' :meth:`StepTerms.fit_row`.
-
-    Rows are weighted by 1 / seconds, so the fit minimises relative error: a 4 s prefill and a
-    30 ms decode step count alike (otherwise the few long steps would decide everything).
-    """
+def _nnls_relative(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """NNLS with rows weighted by 1 / y (minimises relative error: a 4 s prefill and a 30 ms decode
+    step count alike) and columns scaled to unit norm for conditioning."""
     from scipy.optimize import nnls
 
+    weighted = x / y[:, None]
+    norms = np.linalg.norm(weighted, axis=0)
+    norms[norms == 0] = 1.0
+    solution, _ = nnls(weighted / norms, np.ones_like(y))
+    return solution / norms
+
+
+def fit_coefficients(terms: Sequence[StepTerms], seconds: Sequence[float], disturbed_ratio: float = 1.5,
+                     rounds: int = 5) -> Fit:
+    """Non-negative least squares of ``seconds`` on the steps' :meth:`StepTerms.fit_row`.
+
+    On a shared machine some steps are slowed by other processes (CPU steal: a 50 ms decode step
+    that takes 1.5 s). Such noise only ever adds time, so after each fit the steps measured over
+    ``disturbed_ratio`` x their prediction are set aside and the fit is repeated (``rounds`` at
+    most); :attr:`Fit.num_kept` says how many steps the final fit used.
+    """
     if len(terms) != len(seconds) or not terms:
         raise ValueError(f"need one duration per step and at least one step, got {len(terms)} and {len(seconds)}")
     x = np.array([t.fit_row() for t in terms], dtype=np.float64)
     y = np.asarray(seconds, dtype=np.float64)
     if (y <= 0).any():
         raise ValueError("step durations must be > 0")
-    weights = 1.0 / y
-    # Columns are scaled to unit norm for conditioning; coefficients are scaled back after.
-    norms = np.linalg.norm(x * weights[:, None], axis=0)
-    norms[norms == 0] = 1.0
-    solution, _ = nnls(x * weights[:, None] / norms, y * weights)
-    coefficients = solution / norms
-    predicted = x @ coefficients
-    residual = ((y - predicted) ** 2).sum()
-    total = ((y - y.mean()) ** 2).sum()
-    r_squared = 1.0 - residual / total if total > 0 else 0.0
+    keep = np.ones(len(y), dtype=bool)
+    for _ in range(rounds):
+        coefficients = _nnls_relative(x[keep], y[keep])
+        predicted = x @ coefficients
+        next_keep = y <= disturbed_ratio * predicted
+        if next_keep.sum() < x.shape[1] or (next_keep == keep).all():
+            break
+        keep = next_keep
+    coefficients = _nnls_relative(x[keep], y[keep])
+    kept_y, kept_predicted = y[keep], x[keep] @ coefficients
+    total = ((kept_y - kept_y.mean()) ** 2).sum()
+    r_squared = 1.0 - ((kept_y - kept_predicted) ** 2).sum() / total if total > 0 else 0.0
     return Fit(
         coefficients=dict(zip(FIT_TERMS, coefficients.tolist())),
         r_squared=float(r_squared),
         num_steps=len(y),
-        median_abs_rel_error=float(np.median(np.abs(predicted - y) / y)),
+        num_kept=int(keep.sum()),
+        median_abs_rel_error=float(np.median(np.abs(kept_predicted - kept_y) / kept_y)),
     )
