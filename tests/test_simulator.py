@@ -76,3 +76,21 @@ def test_chunked_prefill_steps_equal_real_steps():
     assert sim_steps == real_steps
     assert any(step[COMPOSITION.index("num_prefill_tokens")] and step[COMPOSITION.index("num_decode_tokens")]
                for step in real_steps), "no mixed prefill + decode step: chunking was not exercised"
+
+
+@pytest.mark.parametrize("cache", ["contiguous", "paged"])
+def test_private_block_stats_equal_the_block_walk(cache):
+    """Caches that never share blocks sum KV use per sequence; it must equal the per-block walk."""
+    from strategies.cache.paged import used_and_reserved_tokens
+
+    engine = SimulatedLLM(model="tiny", hardware="h100", cache=cache, scheduler="preemptive", block_size=4,
+                          max_num_seqs=4, **CACHES[cache])
+    pending, step = requests(), 0
+    while pending or engine.has_unfinished():
+        while pending and pending[0][0] <= step:
+            engine.add_request(*pending.pop(0)[1:])
+        engine.step()
+        step += 1
+        stats = engine.cache.stats()
+        assert (stats.used_tokens, stats.reserved_tokens) == used_and_reserved_tokens(
+            engine.cache.live_seqs.values(), engine.cache.block_size)
