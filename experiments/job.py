@@ -42,9 +42,13 @@ class JobOutcome:
 def run_labels(cfg: DictConfig, choices: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """What identifies a run in tables: group choices, the common swept knobs, the overrides."""
     labels: dict[str, Any] = {group: choices.get(group) for group in LABEL_GROUPS}
-    if labels["engine"] != "servelab":  # HF peers ignore servelab's strategy groups
+    if labels["engine"] not in ("servelab", "simulated"):  # HF peers ignore servelab's strategy groups
         labels.update(cache=None, scheduler=None, attention=None)
+    if labels["engine"] == "simulated":  # the simulator has no attention backend
+        labels["attention"] = None
     labels["concurrency"] = OmegaConf.select(cfg, "workload.concurrency", default=None)
+    if labels["concurrency"] is None:  # workloads without their own (poisson): the client-side cap
+        labels["concurrency"] = OmegaConf.select(cfg, "driver.max_concurrency", default=None)
     labels["block_size"] = OmegaConf.select(cfg, "cache.block_size", default=None)
     labels["capacity_tokens"] = OmegaConf.select(cfg, "cache.capacity_tokens", default=None)
     labels["max_num_seqs"] = OmegaConf.select(cfg, "scheduler.max_num_seqs", default=None)

@@ -13,6 +13,7 @@ Generators are picked by ``conf/workload/*.yaml`` through ``_target_`` and calle
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -176,12 +177,21 @@ def poisson(
     max_max_tokens: int = 64,
     ignore_eos: bool = True,
     temperature: float = 0.0,
+    system_prompt_len: int = 0,
 ) -> list[WorkloadRequest]:
-    """Open-loop arrivals at ``rate`` req/s with gamma ``burstiness`` (see :func:`gamma_arrival_offsets`)."""
+    """Open-loop arrivals at ``rate`` req/s with gamma ``burstiness`` (see :func:`gamma_arrival_offsets`).
+
+    ``system_prompt_len > 0`` puts one shared system prompt of that many tokens (its own seeded
+    stream: the rest of every request is unchanged) in front of every prompt, for prefix caching.
+    """
     sampler = TokenSampler(vocab_size, special_token_ids, seed)
     offsets = gamma_arrival_offsets(num_requests, rate, burstiness, np.random.default_rng([seed, 1]))
-    return uneven_requests(sampler, offsets, (min_prompt_len, max_prompt_len), (min_max_tokens, max_max_tokens),
-                           ignore_eos, temperature)
+    requests = uneven_requests(sampler, offsets, (min_prompt_len, max_prompt_len), (min_max_tokens, max_max_tokens),
+                               ignore_eos, temperature)
+    if system_prompt_len <= 0:
+        return requests
+    system = TokenSampler(vocab_size, special_token_ids, seed + 1_000_003).tokens(system_prompt_len)
+    return [dataclasses.replace(r, prompt_token_ids=system + r.prompt_token_ids) for r in requests]
 
 
 def shared_prefix(
