@@ -24,7 +24,6 @@ this equals per-request stopping. Both peers support greedy decoding only.
 """
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +33,7 @@ import torch
 from omegaconf import DictConfig
 
 from engine.device import resolve_device, resolve_dtype
-from engine.loader import checkpoint_for_spec
+from engine.loader import checkpoint_for_spec, read_model_config
 from engine.model_config import ModelConfig
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -60,7 +59,7 @@ def load_hf_model(cfg: DictConfig, attn_implementation: str) -> tuple[Any, Model
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
     model = model.to(device).eval().requires_grad_(False)
     model.generation_config.eos_token_id = None
-    model_config = ModelConfig.from_hf_config(json.loads((path / "config.json").read_text()))
+    model_config = read_model_config(path)
     return model, model_config, device
 
 
