@@ -37,6 +37,7 @@ from engine.loader import checkpoint_for_spec, read_model_config
 from engine.model_config import ModelConfig
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.tokenizer import load_tokenizer
 
 
 @dataclass
@@ -47,8 +48,9 @@ class PendingRequest:
     arrival_time: float
 
 
-def load_hf_model(cfg: DictConfig, attn_implementation: str) -> tuple[Any, ModelConfig, torch.device]:
-    """The run's checkpoint as an HF model (eval, no grads, EOS stopping disabled)."""
+def load_hf_model(cfg: DictConfig, attn_implementation: str) -> tuple[Any, ModelConfig, torch.device, Any | None]:
+    """The run's checkpoint as an HF model (eval, no grads, EOS stopping disabled), its config,
+    device and tokenizer (``None`` if the checkpoint has none: the job decodes output text with it)."""
     from transformers import AutoModelForCausalLM
 
     # Exactly the engine's lookup (engine.llm.LLM.build), so both load the same weights.
@@ -60,7 +62,7 @@ def load_hf_model(cfg: DictConfig, attn_implementation: str) -> tuple[Any, Model
     model = model.to(device).eval().requires_grad_(False)
     model.generation_config.eos_token_id = None
     model_config = read_model_config(path)
-    return model, model_config, device
+    return model, model_config, device, load_tokenizer(path)
 
 
 def _check_greedy(sampling_params: SamplingParams) -> None:
@@ -80,8 +82,9 @@ def truncate_output(token_ids: list[int], params: SamplingParams, eos_token_ids:
 class _QueueingPeer:
     """Shared request bookkeeping of both peers."""
 
-    def __init__(self, model_config: ModelConfig) -> None:
+    def __init__(self, model_config: ModelConfig, tokenizer: Any | None) -> None:
         self.model_config = model_config
+        self.tokenizer = tokenizer
         self.step_records: list[dict[str, Any]] = []
         self._next_id = 0
 
@@ -101,8 +104,9 @@ class _QueueingPeer:
 class HFStaticEngine(_QueueingPeer):
     """Fixed batches through ``model.generate``; see the module docstring."""
 
-    def __init__(self, model: Any, model_config: ModelConfig, device: torch.device, batch_size: int) -> None:
-        super().__init__(model_config)
+    def __init__(self, model: Any, model_config: ModelConfig, device: torch.device, batch_size: int,
+                 tokenizer: Any | None = None) -> None:
+        super().__init__(model_config, tokenizer)
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.model = model
@@ -112,8 +116,8 @@ class HFStaticEngine(_QueueingPeer):
 
     @classmethod
     def from_config(cls, cfg: DictConfig, batch_size: int = 8, attn_implementation: str = "sdpa") -> "HFStaticEngine":
-        model, model_config, device = load_hf_model(cfg, attn_implementation)
-        return cls(model, model_config, device, batch_size)
+        model, model_config, device, tokenizer = load_hf_model(cfg, attn_implementation)
+        return cls(model, model_config, device, batch_size, tokenizer)
 
     def add_request(self, prompt_token_ids: list[int], sampling_params: SamplingParams, arrival_time: float | None = None) -> int:
         request = self._new_request(prompt_token_ids, sampling_params, arrival_time)
@@ -176,8 +180,8 @@ class HFStaticEngine(_QueueingPeer):
 class HFContinuousEngine(_QueueingPeer):
     """transformers' continuous batching manager, fed in real time; see the module docstring."""
 
-    def __init__(self, manager: Any, model_config: ModelConfig) -> None:
-        super().__init__(model_config)
+    def __init__(self, manager: Any, model_config: ModelConfig, tokenizer: Any | None = None) -> None:
+        super().__init__(model_config, tokenizer)
         self.manager = manager
         self.in_flight: dict[str, PendingRequest] = {}
 
@@ -194,7 +198,7 @@ class HFContinuousEngine(_QueueingPeer):
     ) -> "HFContinuousEngine":
         from transformers import ContinuousBatchingConfig, GenerationConfig
 
-        model, model_config, _ = load_hf_model(cfg, attn_implementation)
+        model, model_config, _, tokenizer = load_hf_model(cfg, attn_implementation)
         generation_config = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=16)
         cb_config = ContinuousBatchingConfig(
             page_size=page_size, num_blocks=max(capacity_tokens // page_size, 1),
@@ -203,7 +207,7 @@ class HFContinuousEngine(_QueueingPeer):
         )
         manager = model.init_continuous_batching(generation_config=generation_config, continuous_batching_config=cb_config)
         manager.start()
-        return cls(manager, model_config)
+        return cls(manager, model_config, tokenizer)
 
     def add_request(self, prompt_token_ids: list[int], sampling_params: SamplingParams, arrival_time: float | None = None) -> int:
         request = self._new_request(prompt_token_ids, sampling_params, arrival_time)

@@ -6,8 +6,11 @@ All times are seconds relative to the run start (the driver's ``t0`` on the engi
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from engine.tokenizer import decode
 
 
 @dataclass
@@ -30,6 +33,9 @@ class RequestRecord:
         num_preemptions: times the request was preempted (and recomputed).
         finish_reason: ``length`` or ``stop``.
         output_token_ids: the generated token ids.
+        prompt_text: what the user wrote (a chat request's message) or, for token-id prompts,
+            their decoded text ("" without a tokenizer).
+        output_text: the generated text ("" without a tokenizer).
     """
 
     request_id: str
@@ -46,6 +52,8 @@ class RequestRecord:
     num_preemptions: int = 0
     finish_reason: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
+    prompt_text: str = ""
+    output_text: str = ""
 
 
 def _relative(value: float | None, t0: float) -> float | None:
@@ -72,7 +80,20 @@ def record_from_output(output: Any, request_id: str, submit_time: float, t0: flo
         num_preemptions=int(getattr(output, "num_preemptions", 0) or 0),
         finish_reason=getattr(output, "finish_reason", None),
         output_token_ids=list(output.token_ids),
+        output_text=getattr(output, "text", "") or "",
     )
+
+
+def fill_texts(records: list[RequestRecord], requests: Sequence[Any], tokenizer: Any | None) -> None:
+    """Set each record's ``prompt_text`` from its workload request (the chat message, else the
+    decoded prompt ids) and, for engines that report no text (the HF peers), its ``output_text``
+    from the output ids. Records and requests are matched by ``request_id``."""
+    by_name = {request.request_id: request for request in requests}
+    for record in records:
+        request = by_name[record.request_id]
+        record.prompt_text = request.prompt_text or decode(tokenizer, request.prompt_token_ids)
+        if not record.output_text:
+            record.output_text = decode(tokenizer, record.output_token_ids)
 
 
 def step_to_dict(step: Any) -> dict[str, Any]:

@@ -25,6 +25,7 @@ REQUEST_COLUMNS = [
     "arrival_s", "submit_s", "first_scheduled_s", "first_token_s", "finish_s",
     "queue_s", "ttft_s", "e2e_s", "tpot_s", "itl_mean_s", "itl_max_s",
     "num_cached_tokens", "num_preemptions", "finish_reason", "meets_slo", "output_token_ids",
+    "prompt_text", "output_text",
 ]
 STEP_COLUMNS = [
     "step", "start_time", "end_time", "duration_s", "num_seqs", "num_prefill_tokens", "num_decode_tokens",
@@ -58,6 +59,7 @@ def requests_frame(records: Sequence[RequestRecord], slo: SLO) -> pd.DataFrame:
             "num_cached_tokens": r.num_cached_tokens, "num_preemptions": r.num_preemptions,
             "finish_reason": r.finish_reason, "meets_slo": meets_slo(r, slo),
             "output_token_ids": " ".join(map(str, r.output_token_ids)),
+            "prompt_text": r.prompt_text, "output_text": r.output_text,
         })
     return pd.DataFrame(rows, columns=REQUEST_COLUMNS)
 
@@ -127,4 +129,27 @@ def summary_markdown(summary: dict[str, Any]) -> str:
     if summary.get("status") != "ok":
         parts += [f"**FAILED**: `{summary.get('error')}`", ""]
     parts += [summary_table(summary), ""]
+    if summary.get("samples"):
+        parts += ["## Sample answers", ""]
+        for sample in summary["samples"]:
+            parts += [f"**{sample['request_id']}** ({sample['output_tokens']} tokens, {sample['finish_reason']})", "",
+                      _quote(f"Prompt: {sample['prompt']}"), "", _quote(f"Answer: {_clip(sample['answer'])}"), ""]
     return "\n".join(parts)
+
+
+def sample_answers(records: Sequence[RequestRecord], count: int = 3) -> list[dict[str, Any]]:
+    """The first ``count`` requests that have text, for summary.json / summary.md."""
+    return [
+        {"request_id": r.request_id, "prompt": r.prompt_text, "answer": r.output_text,
+         "output_tokens": r.output_tokens, "finish_reason": r.finish_reason}
+        for r in records if r.output_text
+    ][:count]
+
+
+def _clip(text: str, limit: int = 600) -> str:
+    return text if len(text) <= limit else text[:limit] + " […]"
+
+
+def _quote(text: str) -> str:
+    """``text`` as a Markdown block quote (every line prefixed, blank lines kept)."""
+    return "\n".join(f"> {line}" if line else ">" for line in text.splitlines() or [""])
