@@ -19,7 +19,8 @@ class RequestOutput:
             of an incomplete UTF-8 character and the tail a stop string could still claim are
             held back, so successive outputs' text only grows. "" when the model has no tokenizer.
         finished: whether the request is done.
-        finish_reason: ``"length"`` (max_tokens) or ``"stop"`` (EOS / stop token / stop string).
+        finish_reason: ``"length"`` (max_tokens), ``"stop"`` (EOS / stop token / stop string),
+            ``"abort"`` (``LLM.abort_request``) or ``"error"`` (its step's forward pass raised; see ``error``).
         arrival_time: when the request arrived.
         first_scheduled_time: when it first entered a step (queueing ends).
         first_token_time: when its first token was produced.
@@ -27,6 +28,7 @@ class RequestOutput:
         finish_time: when it finished.
         num_cached_tokens: prompt tokens served from the prefix cache at its (last) admission.
         num_preemptions: how often it was preempted and recomputed.
+        error: the exception text when ``finish_reason == "error"``.
     """
 
     request_id: int
@@ -42,6 +44,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     text: str = ""
+    error: str | None = None
 
     @classmethod
     def from_sequence(cls, seq: Sequence) -> "RequestOutput":
@@ -59,6 +62,7 @@ class RequestOutput:
             num_cached_tokens=seq.num_cached_tokens,
             num_preemptions=seq.num_preemptions,
             text=seq.output_text,
+            error=seq.error,
         )
 
 

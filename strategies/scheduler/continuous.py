@@ -134,6 +134,13 @@ class ContinuousScheduler:
             self.running.remove(seq)
             self.cache.free(seq)
 
+    def abort(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+            self.cache.free(seq)
+        else:  # waiting or preempted: it holds no memory
+            self.waiting.remove(seq)
+
     # -- invariants (checked at the end of every schedule(), like vLLM) ----------------------
     def check_invariants(self, output: SchedulerOutput) -> None:
         assert len(self.running) <= self.max_num_seqs, "more running sequences than slots"
