@@ -81,7 +81,7 @@ def calibrate(run_dirs: Sequence[Path], peak_tflops: float, bandwidth_tbps: floa
                              "calibrate one model at a time")
         units = Hardware(name="units", peak_tflops=peak_tflops, bandwidth_tbps=bandwidth_tbps,
                          dtype_bytes=DTYPE_BYTES.get(cfg.get("dtype"), 4))
-        model = CostModel(units, model_config_for_costs(hf_config_of(cfg["model"])))
+        model = CostModel(units, model_config_for_costs(hf_config_of(cfg["model"])[0]))
         terms += [model.terms(shape) for shape in step_shapes(steps)]
         seconds += (steps.duration_s + between_steps_s(steps)).tolist()
     first = configs[0]

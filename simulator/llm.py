@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from engine.config import available, engine_config, load_group_option
 from engine.llm import LLM
+from engine.tokenizer import load_tokenizer
 from simulator import model_shapes
 from simulator.cost_model import CostModel
 from simulator.hardware import Hardware
@@ -104,7 +105,10 @@ class SimulatedLLM(LLM):
         self, cfg: DictConfig, hardware: Hardware, kv_capacity: int | str | None, memory_utilization: float,
         mean_output_tokens: float | None,
     ) -> None:
-        self.model_config = model_shapes.model_config_for_costs(model_shapes.hf_config_of(cfg.model))
+        hf_config, checkpoint = model_shapes.hf_config_of(cfg.model)
+        self.model_config = model_shapes.model_config_for_costs(hf_config)
+        # A real checkpoint's tokenizer (text prompts, stop strings); named architectures have none.
+        self.tokenizer = None if checkpoint is None else load_tokenizer(checkpoint)
         self.hardware = hardware
         model_name = cfg.model.get("name")
         if hardware.calibrated and hardware.calibrated_model not in (None, model_name):
@@ -120,7 +124,6 @@ class SimulatedLLM(LLM):
         self.runner = CostModelRunner(CostModel(hardware, self.model_config), self.virtual_clock)
         self.sampler = StandInSampler(self.model_config.vocab_size, self.model_config.eos_token_ids, int(cfg.seed),
                                       mean_output_tokens)
-        self.tokenizer = None
         self.timing_label = hardware.timing_label
 
     def kv_capacity(self, cfg: DictConfig, kv_capacity: int | str | None, memory_utilization: float) -> int | None:

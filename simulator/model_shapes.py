@@ -16,15 +16,18 @@ from omegaconf import DictConfig, OmegaConf
 from engine.model_config import ModelConfig
 
 
-def hf_config_of(model_node: Mapping[str, Any]) -> dict[str, Any]:
-    """The HF config of a ``cfg.model`` node: its ``hf_config`` (named models) or the
-    ``config.json`` of its checkpoint folder (``path``); no weights are read."""
+def hf_config_of(model_node: Mapping[str, Any]) -> tuple[dict[str, Any], Path | None]:
+    """The HF config of a ``cfg.model`` node, and its checkpoint folder when it has one.
+
+    Named architectures carry ``hf_config`` (no weights are touched); other models (a folder, a
+    GGUF file) resolve to their checkpoint folder and its ``config.json`` is read."""
     node = OmegaConf.to_container(model_node, resolve=True) if isinstance(model_node, DictConfig) else dict(model_node)
     if node.get("hf_config"):
-        return dict(node["hf_config"])
-    if node.get("path") and (Path(node["path"]) / "config.json").is_file():
-        return json.loads((Path(node["path"]) / "config.json").read_text())
-    raise ValueError(f"model {node.get('name')!r} has neither hf_config nor a folder with config.json")
+        return dict(node["hf_config"]), None
+    from engine.loader import checkpoint_for_spec
+
+    folder = Path(checkpoint_for_spec(node))
+    return json.loads((folder / "config.json").read_text()), folder
 
 
 def model_config_for_costs(hf_config: Mapping[str, Any]) -> ModelConfig:

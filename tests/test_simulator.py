@@ -45,7 +45,7 @@ def run_steps(engine, plan) -> tuple[list[tuple], list]:
         step += 1
         assert step < 1000, "runaway loop"
     composition = [tuple(getattr(record, name) for name in COMPOSITION) for record in engine.step_records]
-    return composition, sorted(outputs, key=lambda o: o.request_id)
+    return composition, sorted((o for o in outputs if o.finished), key=lambda o: o.request_id)
 
 
 @pytest.mark.parametrize("scheduler", ["static", "continuous", "preemptive"])
