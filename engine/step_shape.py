@@ -53,15 +53,19 @@ class StepShape:
     @classmethod
     def of(cls, scheduled: SequenceOf[ScheduledSequence]) -> "StepShape":
         rows = decode = wasted = sampled = context = pairs = 0
-        for item in scheduled:
-            seq, num_new = item.seq, item.num_new_tokens
+        for item in scheduled:  # runs every step: plain attribute reads, no Sequence properties
+            seq, num_new, padding = item.seq, item.num_new_tokens, item.is_padding
+            num_tokens = len(seq.token_ids)
             # A padding row (finished member of a static batch) recomputes its last token.
-            start = seq.num_tokens - 1 if item.is_padding else seq.num_computed_tokens
+            start = num_tokens - 1 if padding else seq.num_computed_tokens
             end = start + num_new
             rows += num_new
-            wasted += item.is_padding
-            decode += not item.is_padding and seq.num_output_tokens > 0 and seq.num_uncomputed_tokens == 1
-            sampled += end == seq.num_tokens
+            if padding:
+                wasted += 1
+            elif num_tokens > len(seq.prompt_token_ids) and num_tokens - start == 1:
+                decode += 1  # a sequence with output whose one uncomputed token is its last
+            if end == num_tokens:
+                sampled += 1
             context += end
             pairs += num_new * start + num_new * (num_new + 1) // 2
         return cls(len(scheduled), rows, decode, wasted, sampled, context, pairs)
