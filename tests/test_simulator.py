@@ -94,3 +94,67 @@ def test_private_block_stats_equal_the_block_walk(cache):
         stats = engine.cache.stats()
         assert (stats.used_tokens, stats.reserved_tokens) == used_and_reserved_tokens(
             engine.cache.live_seqs.values(), engine.cache.block_size)
+
+
+def test_driver_advances_the_virtual_clock_instead_of_sleeping():
+    """Arrivals 1,000 s apart: the driver jumps the clock (a sleeping driver would hang here)."""
+    from experiments.driver import drive
+    from experiments.workloads import WorkloadRequest
+
+    engine = SimulatedLLM(model="tiny", hardware="h100")
+    requests = [WorkloadRequest(f"r{i}", [5 + i] * 8, SamplingParams(max_tokens=4, ignore_eos=True), 1000.0 * i)
+                for i in range(3)]
+    result = drive(engine, requests, progress=False)
+    assert [r.request_id for r in result.records] == ["r0", "r1", "r2"]
+    for index, record in enumerate(result.records):
+        assert record.arrival_s == pytest.approx(1000.0 * index)
+        assert 1000.0 * index < record.first_token_s < record.finish_s < 1000.0 * index + 1.0
+    assert result.wall_s > 2000.0  # virtual seconds
+
+
+def test_rejects_like_the_real_engine_and_keeps_serving():
+    options = dict(cache="paged", scheduler="continuous", block_size=4, capacity_tokens=64)
+    real, simulated = LLM(model="tiny", device="cpu", **options), SimulatedLLM(model="tiny", hardware="h100", **options)
+    for bad_prompt, bad_params in (([], SamplingParams()), ([1] * 60, SamplingParams(max_tokens=10)),
+                                   ([600], SamplingParams()), ([1] * 500, SamplingParams(max_tokens=20))):
+        errors = []
+        for engine in (real, simulated):
+            with pytest.raises(ValueError) as caught:
+                engine.add_request(bad_prompt, bad_params)
+            errors.append(str(caught.value))
+        assert errors[0] == errors[1]
+    [output] = simulated.generate([[3, 4, 5]], SamplingParams(max_tokens=5, ignore_eos=True))
+    assert len(output.token_ids) == 5 and output.finish_reason == "length"
+
+
+def test_output_length_distribution_ends_requests_with_eos():
+    engine = SimulatedLLM(model="tiny", hardware="h100", mean_output_tokens=8)
+    outputs = engine.generate([[3 + i, 4, 5] for i in range(40)], SamplingParams(max_tokens=100))
+    lengths = [len(o.token_ids) for o in outputs]
+    assert all(o.finish_reason == "stop" and o.token_ids[-1] == 2 for o in outputs if len(o.token_ids) < 100)
+    assert len(set(lengths)) > 5 and 4 < sum(lengths) / len(lengths) < 16  # geometric, mean 8
+    again = SimulatedLLM(model="tiny", hardware="h100", mean_output_tokens=8).generate(
+        [[3 + i, 4, 5] for i in range(40)], SamplingParams(max_tokens=100))
+    assert [o.token_ids for o in again] == [o.token_ids for o in outputs]  # deterministic
+    never = SimulatedLLM(model="tiny", hardware="h100").generate([[3, 4, 5]], SamplingParams(max_tokens=300))
+    assert len(never[0].token_ids) == 300  # without a distribution EOS never comes
+
+
+def test_engine_simulated_needs_hardware_and_labels_its_times(tmp_path):
+    from hydra import compose, initialize_config_dir
+
+    from engine.config import CONF_DIR
+    from experiments.job import execute
+
+    overrides = ["engine=simulated", "model=tiny", "workload=burst", "workload.concurrency=2", "driver.progress=false",
+                 "plots=false"]
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        missing = compose("config", overrides=overrides)
+        with_h200 = compose("config", overrides=[*overrides, "hardware=h200"])
+    with pytest.raises(ValueError, match="needs hardware=<name>; known: .*h100"):
+        SimulatedLLM.from_config(missing)
+    outcome = execute(with_h200, tmp_path, {"engine": "simulated", "hardware": "h200", "model": "tiny"}, [])
+    assert not outcome.failed
+    assert outcome.summary["run"]["timing"].startswith("projected, uncalibrated")
+    assert outcome.summary["run"]["hardware"] == "h200"
+    assert "projected, uncalibrated" in (tmp_path / "summary.md").read_text()
