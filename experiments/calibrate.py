@@ -92,13 +92,14 @@ def calibrate(run_dirs: Sequence[Path], peak_tflops: float, bandwidth_tbps: floa
 
 
 def hardware_yaml(name: str, fit: Fit, about: dict, run_dirs: Sequence[Path], peak_tflops: float,
-                  bandwidth_tbps: float, when: str) -> str:
+                  bandwidth_tbps: float, when: str, note: str = "") -> str:
     c = fit.coefficients
     runs = ", ".join(str(p) for p in run_dirs)
     engine_options = {k: v for k, v in (about["engine"] or {}).items() if not k.startswith("_")}
     how = (f"python -m experiments.calibrate {' '.join(str(p) for p in run_dirs)} --name {name} ({when}); "
            f"{fit.num_kept} of {fit.num_steps} steps kept (the rest disturbed, > {DISTURBED_RATIO}x the fit), "
-           f"R^2 {fit.r_squared:.3f}, median |relative error| {fit.median_abs_rel_error:.1%}")
+           f"R^2 {fit.r_squared:.3f}, median |relative error| {fit.median_abs_rel_error:.1%}"
+           + (f"; {note}" if note else ""))
     return f"""# Calibrated on a real machine by experiments/calibrate.py: coefficients fitted (non-negative
 # least squares) to the step durations of {runs}.
 # Valid for model {about['model']} ({about['dtype']}) with attention {about['attention']} and engine
@@ -132,6 +133,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--min-r2", type=float, default=0.9, help="a fit with lower R^2: refuse to write")
     parser.add_argument("--out-dir", type=Path, default=HARDWARE_DIR, help="where hardware files live")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing file of that name")
+    parser.add_argument("--note", default="", help="how the runs were made, kept in the file (e.g. OMP_NUM_THREADS=1)")
     args = parser.parse_args(argv)
     target = args.out_dir / f"{args.name}.yaml"
     if target.exists() and not args.overwrite:
@@ -160,7 +162,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    target.write_text(hardware_yaml(args.name, fit, about, args.run_dirs, args.peak_tflops, args.bandwidth_tbps, when))
+    target.write_text(hardware_yaml(args.name, fit, about, args.run_dirs, args.peak_tflops, args.bandwidth_tbps, when,
+                                     args.note.replace('"', "'")))
     print(f"wrote {target}: use it as hardware={args.name}")
     return 0
 
