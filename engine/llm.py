@@ -422,7 +422,7 @@ class LLM:
                 forward_passes=1,
                 num_sampled=shape.num_sampled,
                 context_tokens=shape.context_tokens,
-                attention_pairs=shape.attention_pairs,
+                prefill_attention_pairs=shape.prefill_attention_pairs,
             )
         )
 

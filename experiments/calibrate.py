@@ -36,7 +36,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 MIN_KEPT_SHARE = 0.75  # a fit that must set aside more steps than this share as disturbed is refused
 DISTURBED_RATIO = 1.5  # steps measured over this x their prediction are set aside (see fit_coefficients)
 NEEDED_COLUMNS = ("duration_s", "start_time", "end_time", "num_seqs", "num_prefill_tokens", "num_decode_tokens",
-                  "num_wasted_slots", "num_sampled", "context_tokens", "attention_pairs")
+                  "num_wasted_slots", "num_sampled", "context_tokens", "prefill_attention_pairs")
 
 
 def step_shapes(steps: pd.DataFrame) -> list[StepShape]:
@@ -44,9 +44,9 @@ def step_shapes(steps: pd.DataFrame) -> list[StepShape]:
     rows = steps.num_prefill_tokens + steps.num_decode_tokens + steps.num_wasted_slots
     return [
         StepShape(num_seqs=int(s), num_rows=int(r), num_decode_tokens=int(d), num_wasted_slots=int(w),
-                  num_sampled=int(n), context_tokens=int(c), attention_pairs=int(a))
+                  num_sampled=int(n), context_tokens=int(c), prefill_attention_pairs=int(a))
         for s, r, d, w, n, c, a in zip(steps.num_seqs, rows, steps.num_decode_tokens, steps.num_wasted_slots,
-                                       steps.num_sampled, steps.context_tokens, steps.attention_pairs)
+                                       steps.num_sampled, steps.context_tokens, steps.prefill_attention_pairs)
     ]
 
 

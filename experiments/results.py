@@ -34,7 +34,7 @@ STEP_COLUMNS = [
     "step", "start_time", "end_time", "duration_s", "num_seqs", "num_prefill_tokens", "num_decode_tokens",
     "num_wasted_slots", "kv_used_tokens", "kv_reserved_tokens", "kv_capacity_tokens", "num_preempted",
     "prefix_hit_tokens", "num_waiting", "num_running", "forward_passes", "num_sampled", "context_tokens",
-    "attention_pairs",
+    "prefill_attention_pairs",
 ]
 
 
