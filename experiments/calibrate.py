@@ -147,13 +147,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"fit on {fit.num_kept} of {fit.num_steps} steps ({fit.num_steps - fit.num_kept} set aside as disturbed): "
           f"R^2 {fit.r_squared:.3f}, median |relative error| {fit.median_abs_rel_error:.1%}, "
           f"coefficients {fit.coefficients}")
-    if fit.num_kept < args.min_steps:
-        print(f"too few steps ({fit.num_kept} usable < --min-steps {args.min_steps}): nothing written; "
-              "calibrate on a longer run (e.g. workload.concurrency=16)", file=sys.stderr)
-        return 1
     if fit.num_kept < MIN_KEPT_SHARE * fit.num_steps:
         print(f"only {fit.num_kept} of {fit.num_steps} steps fit the model within {DISTURBED_RATIO}x: the machine was "
               "too busy, or the model does not describe it; nothing written", file=sys.stderr)
+        return 1
+    if fit.num_kept < args.min_steps:
+        print(f"too few steps ({fit.num_kept} usable < --min-steps {args.min_steps}): nothing written; "
+              "calibrate on a longer run (e.g. workload.concurrency=16)", file=sys.stderr)
         return 1
     if fit.r_squared < args.min_r2:
         print(f"the fit explains too little (R^2 {fit.r_squared:.3f} < --min-r2 {args.min_r2}): nothing written; "
