@@ -112,3 +112,18 @@ def test_unknown_names_list_the_known_ones():
         SimulatedLLM(model="tiny", hardware="tpu")
     with pytest.raises(ValueError, match="unknown model 'gpt-9'.*llama-3.1-8b"):
         SimulatedLLM(model="gpt-9", hardware="h100")
+
+
+def test_tensor_parallel_makes_70b_fit_and_scales_the_peaks():
+    with pytest.raises(ValueError, match="leave no KV memory on h100.*tensor_parallel"):
+        SimulatedLLM(model="llama-3.1-70b", hardware="h100")
+    from omegaconf import OmegaConf
+
+    from engine.config import engine_config, load_group_option
+
+    cfg = engine_config("llama-3.1-70b", "paged", "continuous", "torch_sdpa", "cpu", "float32", "random", 0, {}, {})
+    cfg.hardware = load_group_option("hardware", "h100", {"tensor_parallel": 2})
+    engine = SimulatedLLM.from_config(OmegaConf.create(cfg))
+    weights = parameter_count(engine.model_config) * 2
+    assert engine.cache.stats().capacity_tokens == pytest.approx((160e9 * 0.9 - weights) / 327680, abs=16)
+    assert engine.hardware.flops_per_s == 2 * 989e12 and "tp=2" in engine.describe()["timing"]
