@@ -42,7 +42,7 @@ from engine.sequence import Sequence, SequenceStatus
 from engine.skinny_gemm import SkinnyGemm
 from engine.stop_strings import find_stop_string
 from engine.tokenizer import Message, encode_chat, encode_prompt, load_tokenizer, require_tokenizer
-from engine.interfaces.scheduler import SchedulerOutput
+from engine.interfaces.scheduler import SchedulerOutput, SchedulerStalled
 
 
 def _option_enabled(name: str, value: bool | str, supported: bool, requirement: str) -> bool:
@@ -174,6 +174,9 @@ class LLM:
         # Live requests by id (queued, running, preempted), and aborts to apply at the next step.
         self.requests: dict[int, Sequence] = {}
         self.pending_aborts: list[int] = []
+        # Latest output of each request that ``generate()`` stepped past but did not add: handed
+        # back by the next ``step()`` so an ``add_request`` caller never loses a result.
+        self.deferred_outputs: dict[int, RequestOutput] = {}
 
     def apply_prepack(self, prepack: bool | str) -> bool:
         supported = onednn_linear_supported(self.device, self.dtype)
@@ -238,6 +241,7 @@ class LLM:
                 f"request needs up to {total} KV tokens but the cache can hold at most {fits} "
                 f"for one sequence (capacity_tokens); it could never run"
             )
+        self.scheduler.validate_request(len(prompt_token_ids), params.max_tokens)
 
     def prompt_token_ids(self, prompt: str | SequenceOf[int]) -> list[int]:
         """A prompt's token ids: a string is encoded with the model's tokenizer."""
@@ -278,7 +282,9 @@ class LLM:
         return True
 
     def has_unfinished(self) -> bool:
-        return bool(self.pending_aborts) or self.scheduler.has_unfinished()
+        """Requests pending (queued, running, aborted but not yet reported), or outputs that
+        ``generate()`` kept for the next ``step()``."""
+        return bool(self.pending_aborts or self.deferred_outputs) or self.scheduler.has_unfinished()
 
     # -- one step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -286,12 +292,19 @@ class LLM:
 
         Returns one output per request that got a new token in this step or finished in it
         (``output.finished`` tells which): length / stop, ``"abort"`` for requests aborted since
-        the last step, ``"error"`` for the requests of a step whose forward pass raised.
+        the last step, ``"error"`` for the requests of a step whose forward pass raised; plus
+        the outputs ``generate()`` kept for requests it did not add.
+
+        Raises :class:`~engine.interfaces.scheduler.SchedulerStalled` if requests are pending but
+        nothing can ever be scheduled (``add_request`` rejects such requests, so this is a bug
+        report naming the request and the limit, not a state to wait out).
         """
         start = self.clock()
-        outputs = self.apply_aborts(start)
+        outputs = self.take_deferred_outputs() + self.apply_aborts(start)
         plan = self.scheduler.schedule()
         if plan.is_empty:
+            if self.scheduler.has_unfinished():  # nothing computes, so nothing will ever change
+                raise SchedulerStalled(f"engine stalled: {self.scheduler.explain_stall()}")
             return outputs
         for item in plan.scheduled:
             if item.seq.first_scheduled_time is None:
@@ -415,7 +428,10 @@ class LLM:
     ) -> list[RequestOutput]:
         """Serve prompts (strings, or token-id lists) to completion; outputs in input order.
 
-        Every prompt is validated before any is queued, so a bad one rejects the call cleanly.
+        Every prompt is validated against every limit before any is queued, so a bad one rejects
+        the call cleanly. Requests added earlier with :meth:`add_request` keep running alongside;
+        their outputs are not lost: the latest one of each is kept and returned by the next
+        :meth:`step` (``has_unfinished()`` stays True until it is).
         """
         if isinstance(prompts, str):
             prompts = [prompts]
@@ -438,7 +454,9 @@ class LLM:
             progress = tqdm(total=len(request_ids), desc="requests")
         while wanted - outputs.keys():
             for output in self.step():
-                if output.finished and output.request_id in wanted:
+                if output.request_id not in wanted:
+                    self.deferred_outputs[output.request_id] = output  # cumulative: the latest says all
+                elif output.finished:
                     outputs[output.request_id] = output
                     if progress is not None:
                         progress.update(1)
@@ -460,6 +478,12 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
         prompts = [encode_chat(self.tokenizer, conversation) for conversation in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def take_deferred_outputs(self) -> list[RequestOutput]:
+        """Outputs ``generate()`` stepped past for requests it did not add (oldest request first)."""
+        deferred = [self.deferred_outputs[request_id] for request_id in sorted(self.deferred_outputs)]
+        self.deferred_outputs.clear()
+        return deferred
 
     def free_blocks_check(self) -> None:
         """Assert no KV memory is held (call when ``has_unfinished()`` is False)."""

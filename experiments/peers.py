@@ -6,9 +6,12 @@ with ``AutoModelForCausalLM`` and report :class:`engine.outputs.RequestOutput` r
 
 * :class:`HFStaticEngine` (``engine=hf_static``) — the naive server: fixed batches of
   ``batch_size`` requests in arrival order through ``model.generate`` (left-padded, greedy,
-  ``max_new_tokens`` = the batch's largest ``max_tokens``). ``generate`` cannot stream, so a
-  request's first token and finish both happen when its batch returns (TTFT = E2E; every
-  token time is the batch end, hence TPOT = ITL = 0). One step record per batch: its wasted
+  ``max_new_tokens`` = the batch's largest ``max_tokens``). ``generate`` streams the batch's
+  new tokens to a :class:`StepClock` streamer once per decoding step; the time of step ``i`` is
+  the time of every row's ``i``-th token, so TTFT (the prefill step), ITL and TPOT are measured.
+  A row that reached its ``max_tokens`` stops there, but its slot keeps computing until the
+  batch's longest row is done (its finish is its last token; the batch ends later). One step
+  record per batch: its wasted
   slots are decode slots of rows that had already produced their ``max_tokens``
   (``sum(max_new_tokens - max_tokens_i)``); its KV columns are the padded rectangle HF's
   cache grows to (reserved) vs. the real tokens in it (used).
@@ -79,6 +82,26 @@ def truncate_output(token_ids: list[int], params: SamplingParams, eos_token_ids:
     return token_ids[: params.max_tokens], "length"
 
 
+class StepClock:
+    """A ``generate`` streamer (transformers' ``BaseStreamer`` protocol) that records when each
+    decoding step's tokens reached the host. ``generate`` calls ``put`` once with the prompt,
+    then once per step with that step's token of every row, then ``end``."""
+
+    def __init__(self, clock: Any) -> None:
+        self.clock = clock
+        self.step_times: list[float] = []
+        self._prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self._prompt_seen:  # the first call hands over the prompt, not a generated token
+            self._prompt_seen = True
+            return
+        self.step_times.append(self.clock())
+
+    def end(self) -> None:
+        pass
+
+
 class _QueueingPeer:
     """Shared request bookkeeping of both peers."""
 
@@ -146,19 +169,23 @@ class HFStaticEngine(_QueueingPeer):
         batch, self.waiting = self.waiting[: self.batch_size], self.waiting[self.batch_size:]
         input_ids, attention_mask = self._left_padded(batch)
         max_new = max(r.sampling_params.max_tokens for r in batch)
+        step_clock = StepClock(self.clock)
         start = self.clock()
         generated = self.model.generate(
             input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
-            max_new_tokens=max_new, pad_token_id=0,
+            max_new_tokens=max_new, pad_token_id=0, streamer=step_clock,
         )[:, input_ids.shape[1]:].tolist()
         end = self.clock()
+        if len(step_clock.step_times) != len(generated[0]):
+            raise RuntimeError(f"generate streamed {len(step_clock.step_times)} steps for {len(generated[0])} tokens")
         outputs = []
         for request, row in zip(batch, generated):
             tokens, reason = truncate_output(row, request.sampling_params, self.model_config.eos_token_ids)
+            times = step_clock.step_times[: len(tokens)]
             outputs.append(RequestOutput(
                 request_id=request.request_id, prompt_token_ids=request.prompt_token_ids, token_ids=tokens,
                 finished=True, finish_reason=reason, arrival_time=request.arrival_time,
-                first_scheduled_time=start, first_token_time=end, token_times=[end] * len(tokens), finish_time=end,
+                first_scheduled_time=start, first_token_time=times[0], token_times=times, finish_time=times[-1],
             ))
         self.step_records.append(self._batch_record(batch, outputs, input_ids.shape[1], max_new, start, end))
         return outputs

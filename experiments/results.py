@@ -15,7 +15,9 @@ from typing import Any
 
 import pandas as pd
 
-from experiments.metrics import SLO, e2e, itls, meets_slo, queue_time, tpot, ttft
+from experiments.metrics import (
+    SLO, e2e, e2e_including_client_queue, itls, meets_slo, queue_time, tpot, ttft,
+)
 from experiments.records import RequestRecord
 
 log = logging.getLogger(__name__)
@@ -24,6 +26,7 @@ REQUEST_COLUMNS = [
     "request_id", "engine_request_id", "prompt_tokens", "output_tokens",
     "arrival_s", "submit_s", "first_scheduled_s", "first_token_s", "finish_s",
     "queue_s", "ttft_s", "e2e_s", "tpot_s", "itl_mean_s", "itl_max_s",
+    "client_queue_s", "e2e_including_client_queue_s",
     "num_cached_tokens", "num_preemptions", "finish_reason", "meets_slo", "output_token_ids",
     "prompt_text", "output_text",
 ]
@@ -56,6 +59,7 @@ def requests_frame(records: Sequence[RequestRecord], slo: SLO) -> pd.DataFrame:
             "first_token_s": r.first_token_s, "finish_s": r.finish_s,
             "queue_s": queue_time(r), "ttft_s": ttft(r), "e2e_s": e2e(r), "tpot_s": tpot(r),
             "itl_mean_s": sum(gaps) / len(gaps) if gaps else None, "itl_max_s": max(gaps) if gaps else None,
+            "client_queue_s": r.client_queue_s, "e2e_including_client_queue_s": e2e_including_client_queue(r),
             "num_cached_tokens": r.num_cached_tokens, "num_preemptions": r.num_preemptions,
             "finish_reason": r.finish_reason, "meets_slo": meets_slo(r, slo),
             "output_token_ids": " ".join(map(str, r.output_token_ids)),
@@ -107,6 +111,7 @@ SUMMARY_ROWS = [
     ("TTFT mean (s)", "ttft_s_mean"), ("TTFT p50 (s)", "ttft_s_p50"), ("TTFT p99 (s)", "ttft_s_p99"),
     ("TPOT mean (s)", "tpot_s_mean"), ("TPOT p99 (s)", "tpot_s_p99"), ("ITL p50 (s)", "itl_s_p50"),
     ("E2E p50 (s)", "e2e_s_p50"), ("E2E p99 (s)", "e2e_s_p99"),
+    ("client queue p50 (s)", "client_queue_s_p50"), ("E2E incl. client queue p99 (s)", "e2e_including_client_queue_s_p99"),
     ("forward passes", "forward_passes"), ("wasted slots", "wasted_slots"), ("preemptions", "preemptions"),
     ("prefix hit tokens", "prefix_hit_tokens"), ("peak KV used (tok)", "peak_kv_used_tokens"),
     ("peak KV reserved (tok)", "peak_kv_reserved_tokens"), ("mean KV used/reserved", "mean_kv_used_reserved_ratio"),
