@@ -58,13 +58,14 @@ def engine_config(
     seed: int,
     cache_options: dict[str, Any],
     scheduler_options: dict[str, Any],
+    attention_options: dict[str, Any] | None = None,
 ) -> DictConfig:
     return OmegaConf.create(
         {
             "model": model_node(model, weights),
             "cache": load_group_option("cache", cache, cache_options),
             "scheduler": load_group_option("scheduler", scheduler, scheduler_options),
-            "attention": load_group_option("attention", attention, {}),
+            "attention": load_group_option("attention", attention, attention_options or {}),
             "device": device,
             "dtype": dtype,
             "seed": seed,

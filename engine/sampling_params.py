@@ -17,6 +17,8 @@ class SamplingParams:
             is in the batch and whichever strategies run. ``None`` uses the engine's generator.
         ignore_eos: keep generating after the end-of-sequence token (benchmarks use this).
         stop_token_ids: extra token ids that end the request (besides EOS unless ignored).
+        priority: scheduling priority under ``scheduler.policy=priority`` (an int; lower is
+            served first and preempted last; ties in arrival order). Other policies ignore it.
     """
 
     max_tokens: int = 16
@@ -26,6 +28,7 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -36,6 +39,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
             raise ValueError(f"top_k must be -1, 0 (no limit) or positive, got {self.top_k}")
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
+            raise ValueError(f"priority must be an integer (lower is served first), got {self.priority!r}")
 
     @property
     def greedy(self) -> bool:
