@@ -167,6 +167,9 @@ class LLM:
         self.step_records: list[StepRecord] = []
         self.request_counter = itertools.count()
         self.cache_stats_so_far = self.cache.stats()  # cumulative counters at the last step record
+        # Live requests by id (queued, running, preempted), and aborts to apply at the next step.
+        self.requests: dict[int, Sequence] = {}
+        self.pending_aborts: list[int] = []
 
     def apply_prepack(self, prepack: bool | str) -> bool:
         supported = onednn_linear_supported(self.device, self.dtype)
@@ -244,24 +247,46 @@ class LLM:
             arrival_time=self.clock() if arrival_time is None else arrival_time,
         )
         self.scheduler.add(seq)
+        self.requests[seq.seq_id] = seq
         return seq.seq_id
 
+    def abort_request(self, request_id: int) -> bool:
+        """Abort a queued, running or preempted request.
+
+        It leaves the scheduler and its KV blocks return at the next step boundary (the start of
+        the next :meth:`step`, which reports it with ``finish_reason="abort"``). Call it from the
+        thread that steps the engine. Returns ``False`` if the id is unknown or already finished.
+        """
+        if request_id not in self.requests or request_id in self.pending_aborts:
+            return False
+        self.pending_aborts.append(request_id)
+        return True
+
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return bool(self.pending_aborts) or self.scheduler.has_unfinished()
 
     # -- one step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; returns the requests that finished in it."""
+        """Run one engine step.
+
+        Returns one output per request that got a new token in this step or finished in it
+        (``output.finished`` tells which): length / stop, ``"abort"`` for requests aborted since
+        the last step, ``"error"`` for the requests of a step whose forward pass raised.
+        """
         start = self.clock()
+        outputs = self.apply_aborts(start)
         plan = self.scheduler.schedule()
         if plan.is_empty:
-            return []
+            return outputs
         for item in plan.scheduled:
             if item.seq.first_scheduled_time is None:
                 item.seq.first_scheduled_time = start
-        inputs = self.runner.prepare(plan.scheduled)
-        logits = self.runner.execute(inputs)
-        next_tokens = self.sampler(logits, [item.seq for item in inputs.sampled])
+        try:
+            inputs = self.runner.prepare(plan.scheduled)
+            logits = self.runner.execute(inputs)
+            next_tokens = self.sampler(logits, [item.seq for item in inputs.sampled])
+        except Exception as error:  # noqa: BLE001 -- fails this step's requests, not the engine
+            return outputs + self.fail_step(plan, error)
         now = self.clock()
 
         num_decode_tokens = sum(
@@ -272,13 +297,49 @@ class LLM:
             if not item.is_padding:
                 item.seq.num_computed_tokens += item.num_new_tokens
                 self.cache.on_tokens_computed(item.seq)
-        finished = [
-            item.seq for item, token in zip(inputs.sampled, next_tokens)
-            if not item.is_padding and self.append_token(item.seq, token, now)
-        ]
+        sampled = [(item.seq, token) for item, token in zip(inputs.sampled, next_tokens) if not item.is_padding]
+        advanced = [seq for seq, _ in sampled]
+        finished = [seq for seq, token in sampled if self.append_token(seq, token, now)]
         self.record_step(plan, start, num_decode_tokens)
         self.scheduler.retire(finished)
-        return [RequestOutput.from_sequence(seq) for seq in finished]
+        for seq in finished:
+            del self.requests[seq.seq_id]
+        return outputs + [RequestOutput.from_sequence(seq) for seq in advanced]
+
+    def apply_aborts(self, now: float) -> list[RequestOutput]:
+        """Remove the requests aborted since the last step; their memory returns now."""
+        outputs = []
+        for request_id in self.pending_aborts:
+            seq = self.requests.pop(request_id)
+            self.scheduler.abort(seq)
+            self.finish(seq, "abort", now)
+            outputs.append(RequestOutput.from_sequence(seq))
+        self.pending_aborts.clear()
+        return outputs
+
+    def fail_step(self, plan: SchedulerOutput, error: Exception) -> list[RequestOutput]:
+        """A forward pass raised: finish this step's requests with ``"error"``, free their memory.
+
+        Requests not in the step are untouched and keep running in later steps."""
+        now = self.clock()
+        text = f"{type(error).__name__}: {error}"
+        warnings.warn(f"engine step failed; failing its {len(plan.scheduled)} requests: {text}", stacklevel=2)
+        outputs = []
+        for item in plan.scheduled:
+            if item.is_padding:
+                continue
+            seq = self.requests.pop(item.seq.seq_id)
+            self.scheduler.abort(seq)
+            self.finish(seq, "error", now)
+            seq.error = text
+            outputs.append(RequestOutput.from_sequence(seq))
+        return outputs
+
+    @staticmethod
+    def finish(seq: Sequence, reason: str, now: float) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.finish_time = now
 
     def append_token(self, seq: Sequence, token: int, now: float) -> bool:
         """Append a sampled token; returns True if the sequence just finished."""
@@ -291,8 +352,7 @@ class LLM:
             seq.finish_reason = "length"
         else:
             return False
-        seq.status = SequenceStatus.FINISHED
-        seq.finish_time = now
+        self.finish(seq, seq.finish_reason, now)
         return True
 
     def record_step(self, plan: SchedulerOutput, start: float, num_decode_tokens: int) -> None:
@@ -355,7 +415,7 @@ class LLM:
             progress = tqdm(total=len(request_ids), desc="requests")
         while wanted - outputs.keys():
             for output in self.step():
-                if output.request_id in wanted:
+                if output.finished and output.request_id in wanted:
                     outputs[output.request_id] = output
                     if progress is not None:
                         progress.update(1)

@@ -15,7 +15,8 @@ class RequestOutput:
         prompt_token_ids: the prompt.
         token_ids: generated tokens.
         finished: whether the request is done.
-        finish_reason: ``"length"`` (max_tokens) or ``"stop"`` (EOS / stop token).
+        finish_reason: ``"length"`` (max_tokens), ``"stop"`` (EOS / stop token), ``"abort"``
+            (``LLM.abort_request``) or ``"error"`` (its step's forward pass raised; see ``error``).
         arrival_time: when the request arrived.
         first_scheduled_time: when it first entered a step (queueing ends).
         first_token_time: when its first token was produced.
@@ -23,6 +24,7 @@ class RequestOutput:
         finish_time: when it finished.
         num_cached_tokens: prompt tokens served from the prefix cache at its (last) admission.
         num_preemptions: how often it was preempted and recomputed.
+        error: the exception text when ``finish_reason == "error"``.
     """
 
     request_id: int
@@ -37,6 +39,7 @@ class RequestOutput:
     finish_time: float | None = None
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    error: str | None = None
 
     @classmethod
     def from_sequence(cls, seq: Sequence) -> "RequestOutput":
@@ -53,6 +56,7 @@ class RequestOutput:
             finish_time=seq.finish_time,
             num_cached_tokens=seq.num_cached_tokens,
             num_preemptions=seq.num_preemptions,
+            error=seq.error,
         )
 
 

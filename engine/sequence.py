@@ -52,7 +52,8 @@ class Sequence:
     first_scheduled_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     finish_time: float | None = None
-    finish_reason: str | None = None  # "length" | "stop"
+    finish_reason: str | None = None  # "length" | "stop" | "abort" | "error"
+    error: str | None = None  # why the request failed (finish_reason "error")
 
     def __post_init__(self) -> None:
         if not self.token_ids:

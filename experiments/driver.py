@@ -92,6 +92,8 @@ def drive(
                 in_flight += 1
             if engine.has_unfinished():
                 for output in engine.step():
+                    if not output.finished:
+                        continue
                     name = names[output.request_id]
                     records[name] = record_from_output(output, name, submit_times[output.request_id], t0)
                     bar.update(1)

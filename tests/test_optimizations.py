@@ -369,7 +369,8 @@ def serve_with_late_arrivals(llm: LLM, prompts, budgets) -> list[list[int]]:
     while llm.has_unfinished():
         arrive()
         for output in llm.step():
-            got[ids[output.request_id]] = output.token_ids
+            if output.finished:
+                got[ids[output.request_id]] = output.token_ids
     llm.free_blocks_check()
     return [got[i] for i in range(len(prompts))]
 

@@ -41,7 +41,8 @@ def run_workload(llm: LLM, params_for) -> list[list[int]]:
             if arrival_step == step:
                 ids[llm.add_request(prompt, params_for(index, max_tokens))] = index
         for output in llm.step():
-            outputs[ids[output.request_id]] = output.token_ids
+            if output.finished:
+                outputs[ids[output.request_id]] = output.token_ids
         step += 1
         assert step < 500, "workload did not finish"
     assert not llm.has_unfinished()

@@ -117,6 +117,9 @@ class SwappableCache(KVCacheStrategy, Protocol):
         """Copy ``seq``'s computed K/V to the host pool and free its device blocks.
         ``False`` (nothing changed) when the host pool is too full: recompute instead."""
 
+    def is_swapped_out(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s K/V wait in the host pool (``free`` drops them)."""
+
 
 def allocate_kv_tensors(
     num_layers: int,

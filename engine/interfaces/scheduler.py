@@ -62,6 +62,9 @@ class Scheduler(Protocol):
     def retire(self, finished: list[Sequence]) -> None:
         """Called after the step with the sequences that just finished; frees what it may."""
 
+    def abort(self, seq: Sequence) -> None:
+        """Remove ``seq`` (waiting, running or preempted) for good and free any memory it holds."""
+
     def has_unfinished(self) -> bool:
         """Anything waiting, running, or occupying a slot."""
 

@@ -116,6 +116,9 @@ class PagedCache:
             )
         self.swap_space = HostSwapSpace(self.kv_caches, num_blocks)
 
+    def is_swapped_out(self, seq: Sequence) -> bool:
+        return self.swapped_kv(seq) is not None
+
     def swapped_kv(self, seq: Sequence) -> SwappedKV | None:
         return None if self.swap_space is None else self.swap_space.swapped.get(seq.seq_id)
 

@@ -158,6 +158,14 @@ class ContinuousScheduler:
             self.cache.free(seq)
             self.forget(seq)
 
+    def abort(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+            self.cache.free(seq)
+        else:  # waiting or preempted: it holds no memory
+            self.waiting.remove(seq)
+        self.forget(seq)
+
     # -- invariants (checked at the end of every schedule(), like vLLM) ----------------------
     def check_invariants(self, output: SchedulerOutput) -> None:
         assert len(self.running) <= self.max_num_seqs, "more running sequences than slots"

@@ -80,6 +80,13 @@ class PreemptiveScheduler(ContinuousScheduler):
                 return False
         return True
 
+    def abort(self, seq: Sequence) -> None:
+        """Also drops a swapped-out copy of an aborted preempted sequence."""
+        swapped = self.preemption_mode == "swap" and seq not in self.running and self.cache.is_swapped_out(seq)
+        super().abort(seq)
+        if swapped:
+            self.cache.free(seq)
+
     def preempt(self, seq: Sequence, output: SchedulerOutput) -> None:
         self.running.remove(seq)
         swapped = self.preemption_mode == "swap" and self.cache.swap_out(seq)

@@ -39,6 +39,14 @@ class StaticScheduler(ContinuousScheduler):
         for seq in finished:
             self.running.remove(seq)
             self.finished_members.append(seq)
+        self.end_batch_if_done()
+
+    def abort(self, seq: Sequence) -> None:
+        """An aborted member leaves the batch at once (nothing of it is left to compute)."""
+        super().abort(seq)
+        self.end_batch_if_done()
+
+    def end_batch_if_done(self) -> None:
         if not self.running:
             for seq in self.finished_members:
                 self.cache.free(seq)
