@@ -9,6 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
@@ -71,3 +73,14 @@ def engine_config(
             "seed": seed,
         }
     )
+
+
+def instantiate_strategy(node: DictConfig, **kwargs: Any) -> Any:
+    """``hydra.utils.instantiate(node, **kwargs)``, re-raising a strategy's own ``ValueError``
+    (bad option values) as itself rather than wrapped in Hydra's ``InstantiationException``."""
+    try:
+        return instantiate(node, **kwargs)
+    except InstantiationException as error:
+        if isinstance(error.__cause__, ValueError):
+            raise error.__cause__ from None
+        raise

@@ -17,11 +17,10 @@ from collections.abc import Sequence as SequenceOf
 from typing import Any
 
 import torch
-from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from engine import host_memory
-from engine.config import engine_config
+from engine.config import engine_config, instantiate_strategy
 from engine.device import resolve_device, resolve_dtype
 from engine.fused_ops import FusedOps
 from engine.loader import checkpoint_for_spec, load_model
@@ -149,11 +148,11 @@ class LLM:
         self.fused = self.apply_fused_ops(fused_ops)
         self.kept_freed_memory = self.apply_keep_freed_memory(keep_freed_memory)
         mc: ModelConfig = self.model_config
-        self.cache = instantiate(cfg.cache)
+        self.cache = instantiate_strategy(cfg.cache)
         self.cache.bind_model_limits(mc.max_model_len)
         self.cache.allocate_tensors(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, self.dtype, self.device)
-        self.scheduler = instantiate(cfg.scheduler, cache=self.cache, max_model_len=mc.max_model_len)
-        self.attention = instantiate(cfg.attention)
+        self.scheduler = instantiate_strategy(cfg.scheduler, cache=self.cache, max_model_len=mc.max_model_len)
+        self.attention = instantiate_strategy(cfg.attention)
         self.runner = ModelRunner(self.model, self.cache, self.attention, self.device)
         if cuda_graphs and self.device.type == "cuda":
             from engine.cuda_graphs import DecodeGraphs
