@@ -16,7 +16,7 @@ from hf_reference import hf_greedy
 
 CACHES = ["paged", "contiguous", "prefix"]
 SCHEDULERS = ["static", "continuous", "preemptive"]
-ATTENTIONS = ["torch_sdpa", "eager", "cpu_paged", "triton_paged"]
+ATTENTIONS = ["torch_sdpa", "eager", "cpu_paged", "cpu_paged_cascade", "triton_paged"]
 
 # (prompt, max_tokens, step at which it arrives); two prompts share a 9-token prefix.
 _rng = random.Random(7)
@@ -53,6 +53,8 @@ def run_workload(llm: LLM, params_for) -> list[list[int]]:
 def build(ckpt, cache: str, scheduler: str, attention: str, **options) -> LLM:
     # contiguous reserves max_model_len (256) per sequence: room for 4 regions, as max_num_seqs
     options.setdefault("capacity_tokens", 1024 if cache == "contiguous" else 256)
+    if attention == "cpu_paged_cascade":  # WORKLOAD's shared prefix is 2 blocks of 4 tokens
+        options.setdefault("attention_options", {"min_shared_tokens": 4})
     return LLM(model=str(ckpt), cache=cache, scheduler=scheduler, attention=attention, device="cpu",
                max_num_seqs=4, block_size=4, **options)
 
@@ -86,6 +88,10 @@ def test_parity_matrix(tiny_llama_ckpt, triton_available, seeded_reference, cach
         assert sum(r.num_wasted_slots for r in llm.step_records) > 0
     else:
         assert sum(r.num_wasted_slots for r in llm.step_records) == 0
+    if attention == "cpu_paged_cascade":
+        # prompts 0 and 3 decode side by side sharing 2 prefix blocks, unless static batching keeps
+        # them apart; only the prefix cache hands out shared blocks
+        assert (llm.attention.stats.cascade_calls > 0) == (cache == "prefix" and scheduler != "static")
     # the same engine, now sampling: batch composition and strategies must not matter
     assert run_workload(llm, seeded) == seeded_reference
 
