@@ -29,6 +29,11 @@ PREEMPTION_MODES = ("recompute", "swap")
 class PreemptiveScheduler(ContinuousScheduler):
     """:class:`ContinuousScheduler`'s arguments, plus:
 
+    Liveness: without chunked prefill a preempted sequence may be recomputed in one step (swap
+    falls back to recompute when the host pool is full), prompt plus every token it generated,
+    so a request is accepted only if prompt + max_tokens - 1 (the most it can hold when
+    preempted before its last token) fits ``max_num_batched_tokens``.
+
     Args:
         preemption_mode: ``"recompute"`` or ``"swap"``.
         swap_space_tokens: ``swap`` only: host-memory pool size in tokens (rounded down to whole
@@ -64,6 +69,13 @@ class PreemptiveScheduler(ContinuousScheduler):
                 f"raise scheduler.swap_space_tokens to at least {longest}"
             )
         self.cache.enable_swap(swap_space_tokens)
+
+    def max_tokens_in_one_step(self, num_prompt_tokens: int, max_tokens: int) -> int:
+        return num_prompt_tokens + max_tokens - 1
+
+    def one_step_need_reason(self, num_prompt_tokens: int, max_tokens: int) -> str:
+        return (f"after a preemption its prompt of {num_prompt_tokens} tokens plus up to {max_tokens - 1} "
+                f"generated tokens (max_tokens={max_tokens}) are recomputed in one step")
 
     def admission_reservation(self, seq: Sequence, num_tokens_this_step: int) -> int:
         return num_tokens_this_step
