@@ -8,10 +8,12 @@ free then, when it resumes: a memory copy that grows linearly with the context (
 ``preemption_mode="swap"``, its ``swap_space`` in GiB; here ``swap_space_tokens``).
 
 The host pool mirrors the device cache block for block: one ``[num_host_blocks, block_size,
-kv_heads, head_dim]`` tensor per layer and K/V, pinned when the cache lives on a GPU (so the
-copies are DMA transfers), and its own :class:`~strategies.cache.block_pool.BlockPool`. A
-copy moves only the blocks that hold computed tokens. On CPU the "device" is host memory too,
-so a swap is a memory-to-memory copy: cheaper than on a GPU's PCIe link, still a measured cost.
+kv_heads, head_dim]`` tensor per layer and K/V, pinned when the cache lives on a GPU, and its own
+:class:`~strategies.cache.block_pool.BlockPool`. A copy moves only the blocks that hold computed
+tokens, batched per layer and tensor (gather on one side, one transfer, scatter on the other;
+vLLM's ``swap_blocks`` issues one ``cudaMemcpyAsync`` per block instead). On CPU the "device"
+is host memory too, so a swap is a memory-to-memory copy: cheaper than on a GPU's PCIe link,
+still a measured cost. (The CUDA path has not been run on a GPU in this project yet.)
 
 Counters (cumulative; the engine turns them into per-step columns of ``steps.csv``): blocks and
 bytes copied out and in, and the seconds spent copying (CUDA copies are synchronised before the
