@@ -10,11 +10,13 @@ import pytest
 import torch
 
 from engine import LLM
+from engine.interfaces.scheduler import SchedulerOutput
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 from strategies.cache.contiguous import ContiguousCache
 from strategies.cache.paged import PagedCache
 from strategies.cache.prefix import PrefixCache
+from strategies.scheduler.preemptive import PreemptiveScheduler
 
 LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 4
 
@@ -115,3 +117,22 @@ def test_unknown_preemption_mode_is_rejected_at_startup(tiny_llama_ckpt):
     with pytest.raises(ValueError, match="supported: recompute, swap"):
         LLM(model=str(tiny_llama_ckpt), scheduler="preemptive", device="cpu",
             scheduler_options={"preemption_mode": "spill"})
+
+
+def test_scheduler_falls_back_to_recompute_when_the_host_pool_is_full():
+    cache = PagedCache(block_size=4, capacity_tokens=32)
+    cache.allocate_tensors(LAYERS, KV_HEADS, HEAD_DIM, torch.float32, torch.device("cpu"))
+    # max_model_len 12: the host pool must hold 12 tokens (3 blocks), exactly one long sequence
+    scheduler = PreemptiveScheduler(cache, max_model_len=12, preemption_mode="swap", swap_space_tokens=12)
+    first, second = computed(cache, list(range(20, 30))), computed(cache, list(range(40, 45)), seq_id=1)
+    scheduler.running = [first, second]
+    output = SchedulerOutput()
+    scheduler.preempt(second, output)  # 2 blocks: swapped
+    scheduler.preempt(first, output)  # 3 more blocks do not fit the 3-block pool: recomputed
+    assert cache.is_swapped_out(second) and not cache.is_swapped_out(first)
+    assert first.num_computed_tokens == 0 and first.block_table == [] and cache.num_cached_prefix_tokens(first) == 0
+    assert cache.num_cached_prefix_tokens(second) == 5
+    assert [seq.seq_id for seq in scheduler.waiting] == [0, 1] and output.preempted == [second, first]
+    scheduler.abort(second)  # an aborted swapped-out request releases its host blocks
+    assert cache.stats().swap_used_blocks == 0
+    cache.pool.check_all_free()
