@@ -17,9 +17,9 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.driver import drive, warm_up
-from experiments.metrics import SLO, queueing_metrics, request_metrics, step_metrics
+from experiments.metrics import SLO, priority_class_metrics, queueing_metrics, request_metrics, step_metrics
 from experiments.plots import plot_run
-from experiments.records import fill_texts
+from experiments.records import fill_priorities, fill_texts
 from experiments.results import (
     requests_frame, sample_answers, steps_frame, summary_markdown, summary_table, unique_path, write_csv, write_json,
 )
@@ -76,12 +76,14 @@ def _measure(cfg: DictConfig, out_dir: Path, summary: dict[str, Any]) -> list[Pa
         if close is not None:
             close()
     fill_texts(result.records, requests, tokenizer)
+    fill_priorities(result.records, requests)
     summary["samples"] = sample_answers(result.records)
     summary["wall_s"] = result.wall_s
     summary["metrics"] = {
         **request_metrics(result.records, slo),
         **step_metrics(result.steps),
         **queueing_metrics(result.records, result.steps),
+        **priority_class_metrics(result.records),
     }
     request_table, step_table = requests_frame(result.records, slo), steps_frame(result.steps)
     files.append(write_csv(request_table, out_dir / "requests.csv"))
