@@ -43,15 +43,21 @@ class JobOutcome:
 def run_labels(cfg: DictConfig, choices: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """What identifies a run in tables: group choices, the common swept knobs, the overrides."""
     labels: dict[str, Any] = {group: choices.get(group) for group in LABEL_GROUPS}
-    if labels["engine"] != "servelab":  # HF peers ignore servelab's strategy groups
+    if labels["engine"] not in ("servelab", "simulated"):  # HF peers ignore servelab's strategy groups
         labels.update(cache=None, scheduler=None, attention=None)
+    if labels["engine"] == "simulated":  # the simulator has no attention backend
+        labels["attention"] = None
     labels["concurrency"] = OmegaConf.select(cfg, "workload.concurrency", default=None)
+    if labels["concurrency"] is None:  # workloads without their own (poisson): the client-side cap
+        labels["concurrency"] = OmegaConf.select(cfg, "driver.max_concurrency", default=None)
     labels["block_size"] = OmegaConf.select(cfg, "cache.block_size", default=None)
     labels["capacity_tokens"] = OmegaConf.select(cfg, "cache.capacity_tokens", default=None)
     labels["max_num_seqs"] = OmegaConf.select(cfg, "scheduler.max_num_seqs", default=None)
     labels["device"] = cfg.get("device")
     labels["dtype"] = cfg.get("dtype")
     labels["seed"] = cfg.get("seed")
+    if labels["engine"] == "simulated":
+        labels["hardware"] = choices.get("hardware")
     labels["overrides"] = " ".join(overrides)
     return labels
 
@@ -64,6 +70,9 @@ def _measure(cfg: DictConfig, out_dir: Path, summary: dict[str, Any]) -> list[Pa
     engine = instantiate(cfg.engine)(cfg)
     try:
         model_config = engine.model_config
+        if hasattr(engine, "describe"):  # the simulator: what its times are (projected or calibrated)
+            summary["simulation"] = engine.describe()
+            summary["run"]["timing"] = summary["simulation"]["timing"]
         tokenizer = getattr(engine, "tokenizer", None)
         special = special_token_ids(model_config, tokenizer)
         requests = instantiate(cfg.workload, vocab_size=model_config.vocab_size, special_token_ids=special)
