@@ -65,9 +65,10 @@ def completion_prompt_ids(body: CompletionRequest, limits: ModelLimits) -> list[
                               "prompt")
         prompt = prompt[0]
     if isinstance(prompt, str):
+        tokenizer = _require_tokenizer(limits, "a text prompt", "prompt")
         from engine.tokenizer import encode_prompt
 
-        return encode_prompt(_require_tokenizer(limits, "a text prompt", "prompt"), prompt)
+        return encode_prompt(tokenizer, prompt)
     bad = [t for t in prompt if not 0 <= t < limits.vocab_size]
     if bad:
         raise bad_request(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {limits.vocab_size})", "prompt")
