@@ -36,15 +36,18 @@ def load_group_option(group: str, name: str, overrides: dict[str, Any]) -> DictC
     return node
 
 
-def model_node(model: str, weights: str) -> DictConfig:
-    """A named model (``conf/model/<name>.yaml``) or a checkpoint folder path."""
+def model_node(model: str, weights: str | None) -> DictConfig:
+    """A named model (``conf/model/<name>.yaml``; ``weights=None`` keeps its own ``weights``), a
+    checkpoint folder path, or a ``.gguf`` file path (converted to a folder on first use)."""
     if (CONF_DIR / "model" / f"{model}.yaml").is_file():
         node = OmegaConf.load(CONF_DIR / "model" / f"{model}.yaml")
-        node.weights = weights
+        if weights is not None:
+            node.weights = weights
         return node
-    if Path(model).expanduser().is_dir():
-        return OmegaConf.create({"name": Path(model).name, "path": str(Path(model).expanduser()), "weights": "pretrained"})
-    raise ValueError(f"unknown model {model!r}: not a folder and not one of {', '.join(available('model'))}")
+    path = Path(model).expanduser()
+    if path.is_dir() or (path.suffix == ".gguf" and path.is_file()):
+        return OmegaConf.create({"name": path.stem if path.is_file() else path.name, "path": str(path), "weights": "pretrained"})
+    raise ValueError(f"unknown model {model!r}: not a folder, not a .gguf file and not one of {', '.join(available('model'))}")
 
 
 def engine_config(
@@ -54,7 +57,7 @@ def engine_config(
     attention: str,
     device: str,
     dtype: str,
-    weights: str,
+    weights: str | None,
     seed: int,
     cache_options: dict[str, Any],
     scheduler_options: dict[str, Any],

@@ -7,12 +7,18 @@ One step is scheduler -> runner -> sampler:
 2. the runner flattens the step into one varlen batch and runs the model once;
 3. the sampler picks the next token of every sequence whose uncomputed tokens are done;
    finished sequences retire and free their memory in the same step.
+
+Text in, text out: prompts may be strings (encoded by the checkpoint's tokenizer) or token ids;
+``chat`` renders messages through the model's chat template; every new token extends the
+request's text incrementally (:mod:`engine.detokenizer`), where stop strings are looked for
+(:mod:`engine.stop_strings`).
 """
 from __future__ import annotations
 
 import itertools
 import time
 import warnings
+from collections.abc import Mapping
 from collections.abc import Sequence as SequenceOf
 
 import torch
@@ -21,6 +27,7 @@ from omegaconf import DictConfig
 
 from engine import host_memory
 from engine.config import engine_config
+from engine.detokenizer import IncrementalDetokenizer
 from engine.device import resolve_device, resolve_dtype
 from engine.fused_ops import FusedOps
 from engine.loader import checkpoint_for_spec, load_model
@@ -33,7 +40,9 @@ from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, SequenceStatus
 from engine.skinny_gemm import SkinnyGemm
-from engine.interfaces.scheduler import SchedulerOutput
+from engine.stop_strings import find_stop_string
+from engine.tokenizer import Message, encode_chat, encode_prompt, load_tokenizer, require_tokenizer
+from engine.interfaces.scheduler import SchedulerOutput, SchedulerStalled
 
 
 def _option_enabled(name: str, value: bool | str, supported: bool, requirement: str) -> bool:
@@ -52,14 +61,16 @@ class LLM:
     """A serving engine over one model with one cache, scheduler and attention strategy.
 
     Args:
-        model: a named model (``conf/model/<name>.yaml``: ``tiny``, ``smollm2-135m``,
-            ``qwen2.5-0.5b``) or a folder with an HF Llama/Qwen2 checkpoint.
+        model: a named model (``conf/model/<name>.yaml``: ``smollm2-135m-instruct`` (real
+            weights, the default), ``tiny``, ``smollm2-135m``, ``qwen2.5-0.5b``), a folder with an
+            HF Llama/Qwen2 checkpoint, or a ``.gguf`` file (converted once into the cache).
         cache / scheduler / attention: strategy names (``conf/<group>/<name>.yaml``).
         device: ``auto`` (cuda, then mps, then cpu) or a torch device string.
         dtype: ``float32``, ``bfloat16``, ``float16`` or ``auto``.
         block_size, capacity_tokens: cache options (``None`` keeps the YAML default).
         max_num_seqs, max_num_batched_tokens, chunked_prefill: scheduler options.
-        weights: ``random`` (seeded random weights, built once and cached) or ``pretrained``.
+        weights: ``random`` (seeded random weights, built once and cached), ``pretrained``, or
+            ``None`` (the named model's own setting).
         seed: seeds the sampler's shared generator.
         prepack: performance option (docs/performance.md). ``"auto"`` (default) gives every
             projection and the LM head a oneDNN-prepacked weight copy when running float32 on
@@ -83,7 +94,7 @@ class LLM:
 
     def __init__(
         self,
-        model: str = "smollm2-135m",
+        model: str = "smollm2-135m-instruct",
         cache: str = "paged",
         scheduler: str = "continuous",
         attention: str = "torch_sdpa",
@@ -94,7 +105,7 @@ class LLM:
         max_num_seqs: int | None = None,
         max_num_batched_tokens: int | None = None,
         chunked_prefill: bool | None = None,
-        weights: str = "random",
+        weights: str | None = None,
         seed: int = 0,
         prepack: bool | str = "auto",
         cuda_graphs: bool = False,
@@ -137,6 +148,7 @@ class LLM:
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         checkpoint = checkpoint_for_spec(cfg.model)
         self.model, self.model_config = load_model(checkpoint, self.dtype, self.device)
+        self.tokenizer = load_tokenizer(checkpoint)  # None: the checkpoint serves token ids only
         self.prepacked = self.apply_prepack(prepack)
         self.fused = self.apply_fused_ops(fused_ops)
         self.kept_freed_memory = self.apply_keep_freed_memory(keep_freed_memory)
@@ -162,6 +174,9 @@ class LLM:
         # Live requests by id (queued, running, preempted), and aborts to apply at the next step.
         self.requests: dict[int, Sequence] = {}
         self.pending_aborts: list[int] = []
+        # Latest output of each request that ``generate()`` stepped past but did not add: handed
+        # back by the next ``step()`` so an ``add_request`` caller never loses a result.
+        self.deferred_outputs: dict[int, RequestOutput] = {}
 
     def apply_prepack(self, prepack: bool | str) -> bool:
         supported = onednn_linear_supported(self.device, self.dtype)
@@ -207,6 +222,8 @@ class LLM:
     def validate(self, prompt_token_ids: SequenceOf[int], params: SamplingParams) -> None:
         """Reject a request that can never be served, naming the limit. Nothing else is touched."""
         mc = self.model_config
+        if params.stop:
+            require_tokenizer(self.tokenizer, "SamplingParams.stop (stop strings)")
         if len(prompt_token_ids) == 0:
             raise ValueError("prompt is empty: a request needs at least 1 prompt token")
         bad = [t for t in prompt_token_ids if not 0 <= int(t) < mc.vocab_size]
@@ -224,19 +241,29 @@ class LLM:
                 f"request needs up to {total} KV tokens but the cache can hold at most {fits} "
                 f"for one sequence (capacity_tokens); it could never run"
             )
+        self.scheduler.validate_request(len(prompt_token_ids), params.max_tokens)
+
+    def prompt_token_ids(self, prompt: str | SequenceOf[int]) -> list[int]:
+        """A prompt's token ids: a string is encoded with the model's tokenizer."""
+        if isinstance(prompt, str):
+            return encode_prompt(self.tokenizer, prompt)
+        return [int(t) for t in prompt]
 
     def add_request(
-        self, prompt_token_ids: SequenceOf[int], sampling_params: SamplingParams | None = None,
+        self, prompt: str | SequenceOf[int], sampling_params: SamplingParams | None = None,
         arrival_time: float | None = None,
     ) -> int:
-        """Queue a request; returns its id. Raises ``ValueError`` if it can never be served."""
+        """Queue a request (a text prompt or token ids); returns its id. Raises ``ValueError`` if
+        it can never be served (limits counted in tokens)."""
         params = sampling_params or SamplingParams()
+        prompt_token_ids = self.prompt_token_ids(prompt)
         self.validate(prompt_token_ids, params)
         seq = Sequence(
             seq_id=next(self.request_counter),
-            prompt_token_ids=[int(t) for t in prompt_token_ids],
+            prompt_token_ids=prompt_token_ids,
             sampling_params=params,
             arrival_time=self.clock() if arrival_time is None else arrival_time,
+            detokenizer=None if self.tokenizer is None else IncrementalDetokenizer(self.tokenizer, prompt_token_ids),
         )
         self.scheduler.add(seq)
         self.requests[seq.seq_id] = seq
@@ -255,7 +282,9 @@ class LLM:
         return True
 
     def has_unfinished(self) -> bool:
-        return bool(self.pending_aborts) or self.scheduler.has_unfinished()
+        """Requests pending (queued, running, aborted but not yet reported), or outputs that
+        ``generate()`` kept for the next ``step()``."""
+        return bool(self.pending_aborts or self.deferred_outputs) or self.scheduler.has_unfinished()
 
     # -- one step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -263,12 +292,19 @@ class LLM:
 
         Returns one output per request that got a new token in this step or finished in it
         (``output.finished`` tells which): length / stop, ``"abort"`` for requests aborted since
-        the last step, ``"error"`` for the requests of a step whose forward pass raised.
+        the last step, ``"error"`` for the requests of a step whose forward pass raised; plus
+        the outputs ``generate()`` kept for requests it did not add.
+
+        Raises :class:`~engine.interfaces.scheduler.SchedulerStalled` if requests are pending but
+        nothing can ever be scheduled (``add_request`` rejects such requests, so this is a bug
+        report naming the request and the limit, not a state to wait out).
         """
         start = self.clock()
-        outputs = self.apply_aborts(start)
+        outputs = self.take_deferred_outputs() + self.apply_aborts(start)
         plan = self.scheduler.schedule()
         if plan.is_empty:
+            if self.scheduler.has_unfinished():  # nothing computes, so nothing will ever change
+                raise SchedulerStalled(f"engine stalled: {self.scheduler.explain_stall()}")
             return outputs
         for item in plan.scheduled:
             if item.seq.first_scheduled_time is None:
@@ -334,11 +370,20 @@ class LLM:
         seq.finish_time = now
 
     def append_token(self, seq: Sequence, token: int, now: float) -> bool:
-        """Append a sampled token; returns True if the sequence just finished."""
+        """Append a sampled token (and its text); returns True if the sequence just finished.
+
+        It finishes with ``"stop"`` at EOS (unless ``ignore_eos``), a stop token or a stop string
+        (the text is cut where the stop string begins), else with ``"length"`` at ``max_tokens``.
+        """
         seq.token_ids.append(token)
         seq.token_times.append(now)
         params = seq.sampling_params
+        new_text = seq.detokenizer.append(token) if seq.detokenizer is not None else ""
+        stop_at = find_stop_string(seq.detokenizer.text, len(new_text), params.stop) if new_text and params.stop else None
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.model_config.eos_token_ids):
+            seq.finish_reason = "stop"
+        elif stop_at is not None:
+            seq.detokenizer.truncate(stop_at)
             seq.finish_reason = "stop"
         elif seq.num_output_tokens >= params.max_tokens:
             seq.finish_reason = "length"
@@ -377,14 +422,20 @@ class LLM:
     # -- batch convenience --------------------------------------------------------------------
     def generate(
         self,
-        prompts: SequenceOf[SequenceOf[int]],
+        prompts: str | SequenceOf[str | SequenceOf[int]],
         sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        """Serve a list of token-id prompts to completion; outputs in input order.
+        """Serve prompts (strings, or token-id lists) to completion; outputs in input order.
 
-        Every prompt is validated before any is queued, so a bad one rejects the call cleanly.
+        Every prompt is validated against every limit before any is queued, so a bad one rejects
+        the call cleanly. Requests added earlier with :meth:`add_request` keep running alongside;
+        their outputs are not lost: the latest one of each is kept and returned by the next
+        :meth:`step` (``has_unfinished()`` stays True until it is).
         """
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        prompts = [self.prompt_token_ids(prompt) for prompt in prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or SamplingParams()] * len(prompts)
         else:
@@ -403,13 +454,36 @@ class LLM:
             progress = tqdm(total=len(request_ids), desc="requests")
         while wanted - outputs.keys():
             for output in self.step():
-                if output.finished and output.request_id in wanted:
+                if output.request_id not in wanted:
+                    self.deferred_outputs[output.request_id] = output  # cumulative: the latest says all
+                elif output.finished:
                     outputs[output.request_id] = output
                     if progress is not None:
                         progress.update(1)
         if progress is not None:
             progress.close()
         return [outputs[request_id] for request_id in request_ids]
+
+    def chat(
+        self,
+        messages: SequenceOf[Message] | SequenceOf[SequenceOf[Message]],
+        sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Answer one conversation (a list of ``{"role", "content"}`` dicts) or a list of them.
+
+        Each conversation is rendered by the model's chat template with the assistant's turn
+        opened (``add_generation_prompt``), then served like :meth:`generate`.
+        """
+        conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        prompts = [encode_chat(self.tokenizer, conversation) for conversation in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def take_deferred_outputs(self) -> list[RequestOutput]:
+        """Outputs ``generate()`` stepped past for requests it did not add (oldest request first)."""
+        deferred = [self.deferred_outputs[request_id] for request_id in sorted(self.deferred_outputs)]
+        self.deferred_outputs.clear()
+        return deferred
 
     def free_blocks_check(self) -> None:
         """Assert no KV memory is held (call when ``has_unfinished()`` is False)."""

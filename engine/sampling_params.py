@@ -17,6 +17,10 @@ class SamplingParams:
             is in the batch and whichever strategies run. ``None`` uses the engine's generator.
         ignore_eos: keep generating after the end-of-sequence token (benchmarks use this).
         stop_token_ids: extra token ids that end the request (besides EOS unless ignored).
+        stop: strings that end the request when its text contains one (a str or a list of them
+            is accepted); the text ends before it and ``finish_reason`` is ``"stop"``. Needs a
+            model with a tokenizer. While the request runs, ``RequestOutput.text`` holds back
+            its last ``max(len(s) for s in stop) - 1`` characters (see ``engine.stop_strings``).
     """
 
     max_tokens: int = 16
@@ -26,8 +30,14 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        if not all(isinstance(s, str) and s for s in stop):
+            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+        object.__setattr__(self, "stop", stop)  # frozen: normalised once, here
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids or ()))
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.temperature < 0:

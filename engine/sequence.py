@@ -18,7 +18,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from engine.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import SamplingParams
+from engine.stop_strings import visible_text
 
 
 class SequenceStatus(enum.Enum):
@@ -54,6 +56,8 @@ class Sequence:
     finish_time: float | None = None
     finish_reason: str | None = None  # "length" | "stop" | "abort" | "error"
     error: str | None = None  # why the request failed (finish_reason "error")
+    # The output's text, grown token by token (None: the model has no tokenizer).
+    detokenizer: IncrementalDetokenizer | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -79,6 +83,13 @@ class Sequence:
     def num_uncomputed_tokens(self) -> int:
         """Tokens that still need a forward pass before the next token can be sampled."""
         return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def output_text(self) -> str:
+        """The output text so far, minus what a stop string could still cut ("" without a tokenizer)."""
+        if self.detokenizer is None:
+            return ""
+        return visible_text(self.detokenizer.text, self.sampling_params.stop, self.is_finished)
 
     @property
     def is_finished(self) -> bool:

@@ -3,14 +3,21 @@
 Requests are submitted at their arrival times (``t0 + arrival_offset_s`` on the engine clock)
 through ``add_request``; between arrivals the engine ``step()``s; when the engine is idle and the
 next arrival is in the future, the driver sleeps until it. An optional client-side cap
-(``max_concurrency``, like vLLM's ``benchmark_serving --max-concurrency``) keeps at most that
-many requests in flight; a held-back request keeps its original arrival time, so the wait
-counts in its TTFT (a user would see it).
+(``max_concurrency``, like vLLM's ``vllm bench serve --max-concurrency``) keeps at most that
+many requests in flight.
+
+The send time (``submit_s``, where TTFT and E2E start, as in vLLM) is what a real client would
+have had: the arrival time, or, when the cap held the request back, the moment a slot freed
+(the finish time of the request whose slot it takes). A request that arrives while the engine
+is busy with a step is handed over when the step ends, but it was *sent* at its arrival: like a
+server's queue, that wait is the engine's and counts in TTFT. The engine is told the send time
+as the request's ``arrival_time``.
 
 Any engine with this small surface can be driven: servelab's ``LLM`` and the HF peers.
 """
 from __future__ import annotations
 
+import heapq
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -77,33 +84,34 @@ def drive(
         raise ValueError(f"max_concurrency must be >= 1 or None, got {max_concurrency}")
     pending = deque(sorted(requests, key=lambda r: r.arrival_offset_s))
     names: dict[Any, str] = {}
+    arrival_times: dict[Any, float] = {}
     submit_times: dict[Any, float] = {}
     records: dict[str, RequestRecord] = {}
     first_step = len(engine.step_records)  # earlier records belong to the warm-up
     t0 = engine.clock()
+    # when each free client slot became free (a min-heap; one entry per free slot under a cap)
+    free_slots: list[float] = [t0] * max_concurrency if max_concurrency is not None else []
     bar = tqdm(total=len(requests), desc="requests", unit="req", disable=not progress)
     try:
         while pending or engine.has_unfinished():
             now = engine.clock()
-            in_flight = len(names) - len(records)
-            while (
-                pending
-                and t0 + pending[0].arrival_offset_s <= now
-                and (max_concurrency is None or in_flight < max_concurrency)
-            ):
+            while pending and t0 + pending[0].arrival_offset_s <= now and (max_concurrency is None or free_slots):
                 request = pending.popleft()
-                engine_id = engine.add_request(
-                    request.prompt_token_ids, request.sampling_params, arrival_time=t0 + request.arrival_offset_s
-                )
+                arrival = t0 + request.arrival_offset_s
+                sent = arrival if max_concurrency is None else max(arrival, heapq.heappop(free_slots))
+                engine_id = engine.add_request(request.prompt_token_ids, request.sampling_params, arrival_time=sent)
                 names[engine_id] = request.request_id
-                submit_times[engine_id] = engine.clock()
-                in_flight += 1
+                arrival_times[engine_id] = arrival
+                submit_times[engine_id] = sent
             if engine.has_unfinished():
                 for output in engine.step():
                     if not output.finished:
                         continue
                     name = names[output.request_id]
-                    records[name] = record_from_output(output, name, submit_times[output.request_id], t0)
+                    records[name] = record_from_output(output, name, submit_times[output.request_id], t0,
+                                                       arrival_time=arrival_times[output.request_id])
+                    if max_concurrency is not None:
+                        heapq.heappush(free_slots, output.finish_time if output.finish_time is not None else engine.clock())
                     bar.update(1)
             elif pending:
                 time.sleep(max(0.0, t0 + pending[0].arrival_offset_s - engine.clock()))

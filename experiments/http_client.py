@@ -18,8 +18,8 @@ and ``vllm/benchmarks/serve.py``):
   the stream, or a stream without any token chunk; failures are counted with their reason and
   left out of every latency statistic.
 
-Prompts are token ids (completions endpoint) or, for the chat endpoint, the prompt's text decoded
-with the model's tokenizer as one user message.
+Prompts are token ids (completions endpoint) or, for the chat endpoint, messages: a chat
+workload's conversation, or a token-id prompt decoded with the model's tokenizer as one user message.
 """
 from __future__ import annotations
 
@@ -107,12 +107,13 @@ class HTTPOutcome:
         return self.output_tokens if self.output_tokens is not None else len(self.chunk_times)
 
 
-def request_payload(target: HTTPTarget, request: WorkloadRequest, prompt_text: str | None) -> dict[str, Any]:
+def request_payload(target: HTTPTarget, request: WorkloadRequest,
+                    messages: list[dict[str, str]] | None = None) -> dict[str, Any]:
     params = request.sampling_params
     payload: dict[str, Any] = {"model": target.model, "temperature": params.temperature, "top_p": params.top_p,
                                "stream": True, "stream_options": {"include_usage": True}}
     if target.endpoint == "chat":
-        payload["messages"] = [{"role": "user", "content": prompt_text}]
+        payload["messages"] = messages
         payload["max_completion_tokens"] = params.max_tokens
     else:
         payload["prompt"] = list(request.prompt_token_ids)
@@ -180,7 +181,7 @@ class LoadRun:
 
 
 async def run_load(target: HTTPTarget, requests: Sequence[WorkloadRequest], max_concurrency: int | None,
-                   prompt_texts: dict[str, str] | None = None, progress: bool = True) -> LoadRun:
+                   chat_messages: dict[str, list[dict[str, str]]] | None = None, progress: bool = True) -> LoadRun:
     """Send ``requests`` at their arrival offsets, at most ``max_concurrency`` in flight."""
     if max_concurrency is not None and max_concurrency < 1:
         raise ValueError(f"max_concurrency must be >= 1 or None, got {max_concurrency}")
@@ -188,12 +189,12 @@ async def run_load(target: HTTPTarget, requests: Sequence[WorkloadRequest], max_
                                      keepalive_timeout=60)
     cap = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     bar = tqdm(total=len(requests), desc="requests", unit="req", disable=not progress)
-    texts = prompt_texts or {}
+    conversations = chat_messages or {}
 
     async def one(session: aiohttp.ClientSession, request: WorkloadRequest, t0: float) -> HTTPOutcome:
         outcome = HTTPOutcome(request, arrival=t0 + request.arrival_offset_s)
         await asyncio.sleep(max(0.0, outcome.arrival - time.perf_counter()))
-        payload = request_payload(target, request, texts.get(request.request_id))
+        payload = request_payload(target, request, conversations.get(request.request_id))
         if cap is None:
             await send(session, target, payload, outcome)
         else:
@@ -213,11 +214,12 @@ async def run_load(target: HTTPTarget, requests: Sequence[WorkloadRequest], max_
     return LoadRun(list(outcomes), t0, wall)
 
 
-async def warm_up(target: HTTPTarget, requests: Sequence[WorkloadRequest], prompt_texts: dict[str, str]) -> None:
+async def warm_up(target: HTTPTarget, requests: Sequence[WorkloadRequest],
+                  chat_messages: dict[str, list[dict[str, str]]]) -> None:
     """Untimed requests first; like vLLM's initial test run, a failure stops the benchmark."""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=target.timeout_s)) as session:
         for request in requests:
-            outcome = await send(session, target, request_payload(target, request, prompt_texts.get(request.request_id)),
+            outcome = await send(session, target, request_payload(target, request, chat_messages.get(request.request_id)),
                                  HTTPOutcome(request))
             if not outcome.success:
                 raise RuntimeError(f"warm-up request to {target.url} failed: {outcome.error}")

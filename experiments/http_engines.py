@@ -30,6 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from engine.loader import checkpoint_for_spec
 from engine.model_config import ModelConfig
+from engine.tokenizer import decode, load_tokenizer, require_tokenizer
 from experiments.driver import DriveResult
 from experiments.http_client import HTTPTarget, drive_result, run_load, warm_up
 from experiments.metrics import SLO
@@ -87,26 +88,32 @@ class OpenAIEngine:
         """The served model's config (vocabulary, special ids) from ``cfg.model``'s checkpoint."""
         return ModelConfig.from_hf_config(json.loads((self.checkpoint / "config.json").read_text()))
 
-    def prompt_texts(self, requests: Sequence[WorkloadRequest]) -> dict[str, str]:
-        """For the chat endpoint: each prompt decoded to text with the model's tokenizer."""
+    @cached_property
+    def tokenizer(self) -> Any | None:
+        """The served model's tokenizer (chat workloads, special ids), or ``None``."""
+        return load_tokenizer(self.checkpoint)
+
+    def chat_messages(self, requests: Sequence[WorkloadRequest]) -> dict[str, list[dict[str, str]]]:
+        """For the chat endpoint: each request's conversation (a chat workload's own messages, or
+        a token-id prompt decoded with the model's tokenizer as one user message)."""
         if self.target.endpoint != "chat":
             return {}
-        from engine.tokenizer import decode, load_tokenizer, require_tokenizer
-
-        tokenizer = require_tokenizer(load_tokenizer(self.checkpoint), "engine.endpoint=chat (text prompts)")
-        return {r.request_id: decode(tokenizer, r.prompt_token_ids) for r in requests}
+        if any(not r.messages for r in requests):
+            require_tokenizer(self.tokenizer, "engine.endpoint=chat with a token-id workload")
+        return {r.request_id: list(r.messages) or [{"role": "user", "content": decode(self.tokenizer, r.prompt_token_ids)}]
+                for r in requests}
 
     def drive(self, requests: Sequence[WorkloadRequest], max_concurrency: int | None,
               warmup: Sequence[WorkloadRequest], progress: bool = True) -> DriveResult:
         """Warm up, then send ``requests`` with their arrival offsets; returns the run's records."""
-        texts = self.prompt_texts([*warmup, *requests])
+        conversations = self.chat_messages([*warmup, *requests])
 
         async def measured() -> tuple[Any, dict[str, Any]]:
-            await warm_up(self.target, warmup, texts)
+            await warm_up(self.target, warmup, conversations)
             sampler = MetricsSampler(self.target.base_url, self.metrics_interval_s)
             await sampler.start()
             try:
-                run = await run_load(self.target, requests, max_concurrency, texts, progress)
+                run = await run_load(self.target, requests, max_concurrency, conversations, progress)
             finally:
                 await sampler.stop()
             return run, sampler.summary()

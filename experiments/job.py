@@ -19,10 +19,11 @@ from omegaconf import DictConfig, OmegaConf
 from experiments.driver import drive, warm_up
 from experiments.metrics import SLO, queueing_metrics, request_metrics, step_metrics
 from experiments.plots import plot_run
+from experiments.records import fill_texts
 from experiments.results import (
-    requests_frame, steps_frame, summary_markdown, summary_table, unique_path, write_csv, write_json,
+    requests_frame, sample_answers, steps_frame, summary_markdown, summary_table, unique_path, write_csv, write_json,
 )
-from experiments.workloads import special_token_ids, warmup_requests
+from experiments.workloads import special_token_ids, tokenize_requests, warmup_requests
 
 log = logging.getLogger(__name__)
 LABEL_GROUPS = ("engine", "model", "cache", "scheduler", "attention", "workload")
@@ -63,8 +64,10 @@ def _measure(cfg: DictConfig, out_dir: Path, summary: dict[str, Any]) -> list[Pa
     engine = instantiate(cfg.engine)(cfg)
     try:
         model_config = engine.model_config
-        special = special_token_ids(model_config)
+        tokenizer = getattr(engine, "tokenizer", None)
+        special = special_token_ids(model_config, tokenizer)
         requests = instantiate(cfg.workload, vocab_size=model_config.vocab_size, special_token_ids=special)
+        requests = tokenize_requests(requests, tokenizer)
         warmup = warmup_requests(model_config.vocab_size, special, cfg.driver.warmup_requests)
         if hasattr(engine, "drive"):  # HTTP load clients send the workload themselves (experiments/http_engines.py)
             summary["setup_s"] = time.perf_counter() - setup_start
@@ -77,6 +80,8 @@ def _measure(cfg: DictConfig, out_dir: Path, summary: dict[str, Any]) -> list[Pa
         close = getattr(engine, "close", None)
         if close is not None:
             close()
+    fill_texts(result.records, requests, tokenizer)
+    summary["samples"] = sample_answers(result.records)
     summary["wall_s"] = result.wall_s
     summary["metrics"] = {
         **request_metrics(result.records, slo),

@@ -1,17 +1,24 @@
 """Serving metrics with exactly the definitions of vLLM's serving benchmark.
 
-Per request (times from :class:`~experiments.records.RequestRecord`):
+Per request (times from :class:`~experiments.records.RequestRecord`). As in ``vllm bench
+serve``, the latency clock starts when the client *sends* the request (``submit_s``, after any
+client-side concurrency cap); the wait behind the cap is reported on its own:
 
-* TTFT = first token - arrival
-* E2E  = finish - arrival
+* TTFT = first token - send
+* E2E  = finish - send
 * TPOT = (E2E - TTFT) / (output_tokens - 1); undefined for 1-token outputs, which are
   excluded from TPOT statistics (and, as in vLLM, count as TPOT 0 for goodput)
 * ITL  = gaps between consecutive token times (all gaps of all requests pooled)
+* client queue = send - arrival (vLLM's ``client_queue_time``); E2E including the client queue
+  = finish - arrival (vLLM's ``e2el_including_client_queue``)
+* engine queue = first scheduled step - send
 
 Per run: duration = first arrival to last finish; request/s, output tok/s, total tok/s
-(prompt + output) over that duration; goodput = requests meeting every SLO per second.
-Each latency gets mean / p50 / p90 / p99 (``numpy.percentile``, linear interpolation).
-Engine-side aggregates come from the per-step records.
+(prompt + output) over that duration; goodput = requests meeting every SLO (TTFT, TPOT, E2E as
+above, so from the send) per second. Each latency gets mean / p50 / p90 / p99
+(``numpy.percentile``, linear interpolation). Engine-side aggregates come from the per-step
+records; means over steps are weighted by step duration (a time average: a 5-second prefill
+step counts 100 times a 50 ms decode step).
 """
 from __future__ import annotations
 
@@ -37,10 +44,15 @@ class SLO:
 
 
 def ttft(record: RequestRecord) -> float:
-    return record.first_token_s - record.arrival_s
+    return record.first_token_s - record.submit_s
 
 
 def e2e(record: RequestRecord) -> float:
+    return record.finish_s - record.submit_s
+
+
+def e2e_including_client_queue(record: RequestRecord) -> float:
+    """Finish - arrival (vLLM's ``e2el_including_client_queue``)."""
     return record.finish_s - record.arrival_s
 
 
@@ -57,8 +69,8 @@ def itls(record: RequestRecord) -> list[float]:
 
 
 def queue_time(record: RequestRecord) -> float | None:
-    """Arrival to first scheduled step (waiting in the client cap plus the engine queue)."""
-    return None if record.first_scheduled_s is None else record.first_scheduled_s - record.arrival_s
+    """Send to first scheduled step: the wait in the engine's queue (not the client cap)."""
+    return None if record.first_scheduled_s is None else record.first_scheduled_s - record.submit_s
 
 
 def meets_slo(record: RequestRecord, slo: SLO) -> bool:
@@ -115,6 +127,8 @@ def request_metrics(records: Sequence[RequestRecord], slo: SLO) -> dict[str, Any
         "itl_s": [gap for r in records for gap in itls(r)],
         "e2e_s": [e2e(r) for r in records],
         "queue_s": [queue_time(r) for r in records],
+        "client_queue_s": [r.client_queue_s for r in records],
+        "e2e_including_client_queue_s": [e2e_including_client_queue(r) for r in records],
     }
     for name, values in series.items():
         for stat, value in distribution(values).items():
@@ -144,15 +158,36 @@ def _peak(steps: Sequence[dict[str, Any]], name: str) -> int | None:
     return int(max(values)) if values else None
 
 
+def _present(step: dict[str, Any], name: str) -> bool:
+    return step.get(name) is not None and not _is_nan(step[name])
+
+
+def time_weighted_mean(pairs: Sequence[tuple[float, float]]) -> float | None:
+    """Mean of ``value`` over ``(value, duration_s)`` pairs weighted by duration (a time average).
+    Falls back to the plain mean when no step has a positive duration."""
+    if not pairs:
+        return None
+    values, weights = np.array(pairs, dtype=np.float64).T
+    return float(np.average(values, weights=weights)) if weights.sum() > 0 else float(values.mean())
+
+
 def kv_used_reserved_ratio(steps: Sequence[dict[str, Any]]) -> float | None:
-    """Mean over steps (with any reservation) of used / reserved KV tokens: 1.0 = no waste."""
-    ratios = [
-        float(s["kv_used_tokens"]) / float(s["kv_reserved_tokens"])
+    """Time average (weighted by step duration) over steps with any reservation of used / reserved
+    KV tokens: 1.0 = no reserved-but-unused KV."""
+    return time_weighted_mean([
+        (float(s["kv_used_tokens"]) / float(s["kv_reserved_tokens"]), float(s.get("duration_s") or 0.0))
         for s in steps
-        if s.get("kv_used_tokens") is not None and not _is_nan(s.get("kv_reserved_tokens"))
-        and s.get("kv_reserved_tokens") and float(s["kv_reserved_tokens"]) > 0
-    ]
-    return float(np.mean(ratios)) if ratios else None
+        if _present(s, "kv_used_tokens") and _present(s, "kv_reserved_tokens") and float(s["kv_reserved_tokens"]) > 0
+    ])
+
+
+def kv_used_fraction(steps: Sequence[dict[str, Any]]) -> float | None:
+    """Time average (weighted by step duration) of used / capacity KV tokens (vLLM's KV cache usage)."""
+    return time_weighted_mean([
+        (float(s["kv_used_tokens"]) / float(s["kv_capacity_tokens"]), float(s.get("duration_s") or 0.0))
+        for s in steps
+        if _present(s, "kv_used_tokens") and _present(s, "kv_capacity_tokens") and float(s["kv_capacity_tokens"]) > 0
+    ])
 
 
 def decode_points(steps: Sequence[dict[str, Any]]) -> list[tuple[float, float]]:
@@ -168,7 +203,9 @@ def decode_points(steps: Sequence[dict[str, Any]]) -> list[tuple[float, float]]:
 
 def decode_seconds_per_1k_context(points: Sequence[tuple[float, float]]) -> float | None:
     """Least-squares slope of decode-step seconds vs context (KV) tokens, per 1,000 tokens
-    (nano-vLLM's "ms per 1,000 context tokens"). Fit it *across* runs of different context
+    (nano-vLLM's "ms per 1,000 context tokens"). The context is the step's ``kv_used_tokens``:
+    summed over every sequence of the batch, so the slope is the cost of one step per 1,000
+    context tokens *in the batch* (not per sequence). Fit it *across* runs of different context
     sizes (the report does, from each run's median decode step): inside one run the context
     grows by a few tokens only. ``None`` with fewer than 2 distinct context sizes."""
     if len({x for x, _ in points}) < 2:
@@ -178,11 +215,11 @@ def decode_seconds_per_1k_context(points: Sequence[tuple[float, float]]) -> floa
 
 
 def queued_steps(record: RequestRecord, steps: Sequence[dict[str, Any]]) -> int | None:
-    """Engine steps that ran while the request waited (arrival to first scheduled step):
+    """Engine steps that ran while the request waited in the engine (send to first scheduled step):
     pico-vllm's "queued for N decode steps". ``None`` if the engine does not report steps."""
     if record.first_scheduled_s is None or not steps:
         return None
-    return sum(1 for s in steps if record.arrival_s <= float(s["start_time"]) < record.first_scheduled_s)
+    return sum(1 for s in steps if record.submit_s <= float(s["start_time"]) < record.first_scheduled_s)
 
 
 def queueing_metrics(records: Sequence[RequestRecord], steps: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -194,7 +231,8 @@ def queueing_metrics(records: Sequence[RequestRecord], steps: Sequence[dict[str,
 def step_metrics(steps: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Engine-side aggregates from per-step records (``None`` where an engine doesn't report a column).
 
-    ``prefix_hit_tokens`` is summed: each step record carries the hits of that step.
+    ``prefix_hit_tokens`` is summed: each step record carries the hits of that step. KV means
+    are weighted by step duration.
     """
     return {
         "num_steps": len(steps),
@@ -208,6 +246,7 @@ def step_metrics(steps: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "peak_kv_reserved_tokens": _peak(steps, "kv_reserved_tokens"),
         "kv_capacity_tokens": _peak(steps, "kv_capacity_tokens"),
         "mean_kv_used_reserved_ratio": kv_used_reserved_ratio(steps),
+        "mean_kv_used_fraction": kv_used_fraction(steps),
         "max_running_seqs": _peak(steps, "num_running"),
         "max_batch_seqs": _peak(steps, "num_seqs"),
         "step_time_s_mean": distribution(_column(steps, "duration_s"))["mean"],

@@ -6,9 +6,12 @@ with ``AutoModelForCausalLM`` and report :class:`engine.outputs.RequestOutput` r
 
 * :class:`HFStaticEngine` (``engine=hf_static``) — the naive server: fixed batches of
   ``batch_size`` requests in arrival order through ``model.generate`` (left-padded, greedy,
-  ``max_new_tokens`` = the batch's largest ``max_tokens``). ``generate`` cannot stream, so a
-  request's first token and finish both happen when its batch returns (TTFT = E2E; every
-  token time is the batch end, hence TPOT = ITL = 0). One step record per batch: its wasted
+  ``max_new_tokens`` = the batch's largest ``max_tokens``). ``generate`` streams the batch's
+  new tokens to a :class:`StepClock` streamer once per decoding step; the time of step ``i`` is
+  the time of every row's ``i``-th token, so TTFT (the prefill step), ITL and TPOT are measured.
+  A row that reached its ``max_tokens`` stops there, but its slot keeps computing until the
+  batch's longest row is done (its finish is its last token; the batch ends later). One step
+  record per batch: its wasted
   slots are decode slots of rows that had already produced their ``max_tokens``
   (``sum(max_new_tokens - max_tokens_i)``); its KV columns are the padded rectangle HF's
   cache grows to (reserved) vs. the real tokens in it (used).
@@ -24,7 +27,6 @@ this equals per-request stopping. Both peers support greedy decoding only.
 """
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,10 +36,11 @@ import torch
 from omegaconf import DictConfig
 
 from engine.device import resolve_device, resolve_dtype
-from engine.loader import checkpoint_for_spec
+from engine.loader import checkpoint_for_spec, read_model_config
 from engine.model_config import ModelConfig
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.tokenizer import load_tokenizer
 
 
 @dataclass
@@ -48,8 +51,9 @@ class PendingRequest:
     arrival_time: float
 
 
-def load_hf_model(cfg: DictConfig, attn_implementation: str) -> tuple[Any, ModelConfig, torch.device]:
-    """The run's checkpoint as an HF model (eval, no grads, EOS stopping disabled)."""
+def load_hf_model(cfg: DictConfig, attn_implementation: str) -> tuple[Any, ModelConfig, torch.device, Any | None]:
+    """The run's checkpoint as an HF model (eval, no grads, EOS stopping disabled), its config,
+    device and tokenizer (``None`` if the checkpoint has none: the job decodes output text with it)."""
     from transformers import AutoModelForCausalLM
 
     # Exactly the engine's lookup (engine.llm.LLM.build), so both load the same weights.
@@ -60,8 +64,8 @@ def load_hf_model(cfg: DictConfig, attn_implementation: str) -> tuple[Any, Model
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
     model = model.to(device).eval().requires_grad_(False)
     model.generation_config.eos_token_id = None
-    model_config = ModelConfig.from_hf_config(json.loads((path / "config.json").read_text()))
-    return model, model_config, device
+    model_config = read_model_config(path)
+    return model, model_config, device, load_tokenizer(path)
 
 
 def _check_greedy(sampling_params: SamplingParams) -> None:
@@ -78,11 +82,32 @@ def truncate_output(token_ids: list[int], params: SamplingParams, eos_token_ids:
     return token_ids[: params.max_tokens], "length"
 
 
+class StepClock:
+    """A ``generate`` streamer (transformers' ``BaseStreamer`` protocol) that records when each
+    decoding step's tokens reached the host. ``generate`` calls ``put`` once with the prompt,
+    then once per step with that step's token of every row, then ``end``."""
+
+    def __init__(self, clock: Any) -> None:
+        self.clock = clock
+        self.step_times: list[float] = []
+        self._prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self._prompt_seen:  # the first call hands over the prompt, not a generated token
+            self._prompt_seen = True
+            return
+        self.step_times.append(self.clock())
+
+    def end(self) -> None:
+        pass
+
+
 class _QueueingPeer:
     """Shared request bookkeeping of both peers."""
 
-    def __init__(self, model_config: ModelConfig) -> None:
+    def __init__(self, model_config: ModelConfig, tokenizer: Any | None) -> None:
         self.model_config = model_config
+        self.tokenizer = tokenizer
         self.step_records: list[dict[str, Any]] = []
         self._next_id = 0
 
@@ -102,8 +127,9 @@ class _QueueingPeer:
 class HFStaticEngine(_QueueingPeer):
     """Fixed batches through ``model.generate``; see the module docstring."""
 
-    def __init__(self, model: Any, model_config: ModelConfig, device: torch.device, batch_size: int) -> None:
-        super().__init__(model_config)
+    def __init__(self, model: Any, model_config: ModelConfig, device: torch.device, batch_size: int,
+                 tokenizer: Any | None = None) -> None:
+        super().__init__(model_config, tokenizer)
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.model = model
@@ -113,8 +139,8 @@ class HFStaticEngine(_QueueingPeer):
 
     @classmethod
     def from_config(cls, cfg: DictConfig, batch_size: int = 8, attn_implementation: str = "sdpa") -> "HFStaticEngine":
-        model, model_config, device = load_hf_model(cfg, attn_implementation)
-        return cls(model, model_config, device, batch_size)
+        model, model_config, device, tokenizer = load_hf_model(cfg, attn_implementation)
+        return cls(model, model_config, device, batch_size, tokenizer)
 
     def add_request(self, prompt_token_ids: list[int], sampling_params: SamplingParams, arrival_time: float | None = None) -> int:
         request = self._new_request(prompt_token_ids, sampling_params, arrival_time)
@@ -143,19 +169,23 @@ class HFStaticEngine(_QueueingPeer):
         batch, self.waiting = self.waiting[: self.batch_size], self.waiting[self.batch_size:]
         input_ids, attention_mask = self._left_padded(batch)
         max_new = max(r.sampling_params.max_tokens for r in batch)
+        step_clock = StepClock(self.clock)
         start = self.clock()
         generated = self.model.generate(
             input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
-            max_new_tokens=max_new, pad_token_id=0,
+            max_new_tokens=max_new, pad_token_id=0, streamer=step_clock,
         )[:, input_ids.shape[1]:].tolist()
         end = self.clock()
+        if len(step_clock.step_times) != len(generated[0]):
+            raise RuntimeError(f"generate streamed {len(step_clock.step_times)} steps for {len(generated[0])} tokens")
         outputs = []
         for request, row in zip(batch, generated):
             tokens, reason = truncate_output(row, request.sampling_params, self.model_config.eos_token_ids)
+            times = step_clock.step_times[: len(tokens)]
             outputs.append(RequestOutput(
                 request_id=request.request_id, prompt_token_ids=request.prompt_token_ids, token_ids=tokens,
                 finished=True, finish_reason=reason, arrival_time=request.arrival_time,
-                first_scheduled_time=start, first_token_time=end, token_times=[end] * len(tokens), finish_time=end,
+                first_scheduled_time=start, first_token_time=times[0], token_times=times, finish_time=times[-1],
             ))
         self.step_records.append(self._batch_record(batch, outputs, input_ids.shape[1], max_new, start, end))
         return outputs
@@ -177,8 +207,8 @@ class HFStaticEngine(_QueueingPeer):
 class HFContinuousEngine(_QueueingPeer):
     """transformers' continuous batching manager, fed in real time; see the module docstring."""
 
-    def __init__(self, manager: Any, model_config: ModelConfig) -> None:
-        super().__init__(model_config)
+    def __init__(self, manager: Any, model_config: ModelConfig, tokenizer: Any | None = None) -> None:
+        super().__init__(model_config, tokenizer)
         self.manager = manager
         self.in_flight: dict[str, PendingRequest] = {}
 
@@ -195,7 +225,7 @@ class HFContinuousEngine(_QueueingPeer):
     ) -> "HFContinuousEngine":
         from transformers import ContinuousBatchingConfig, GenerationConfig
 
-        model, model_config, _ = load_hf_model(cfg, attn_implementation)
+        model, model_config, _, tokenizer = load_hf_model(cfg, attn_implementation)
         generation_config = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=16)
         cb_config = ContinuousBatchingConfig(
             page_size=page_size, num_blocks=max(capacity_tokens // page_size, 1),
@@ -204,7 +234,7 @@ class HFContinuousEngine(_QueueingPeer):
         )
         manager = model.init_continuous_batching(generation_config=generation_config, continuous_batching_config=cb_config)
         manager.start()
-        return cls(manager, model_config)
+        return cls(manager, model_config, tokenizer)
 
     def add_request(self, prompt_token_ids: list[int], sampling_params: SamplingParams, arrival_time: float | None = None) -> int:
         request = self._new_request(prompt_token_ids, sampling_params, arrival_time)

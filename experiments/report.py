@@ -37,7 +37,7 @@ LABEL_COLUMNS = ["engine", "model", "cache", "scheduler", "attention", "workload
 REPORT_FILES = ["report.csv", "report.md", "throughput_vs_concurrency.png", "ttft_vs_concurrency.png",
                 "block_size_sweep.png", "ttft_cdf.png", "kv_usage.png"]
 MARKDOWN_METRICS = ["output_throughput", "request_throughput", "ttft_s_p50", "ttft_s_p99", "tpot_s_mean",
-                    "e2e_s_p50", "goodput", "wasted_slots", "forward_passes", "preemptions", "max_queued_steps", "prefix_hit_tokens", "prefix_hit_rate",
+                    "e2e_s_p50", "client_queue_s_p50", "goodput", "wasted_slots", "forward_passes", "preemptions", "max_queued_steps", "prefix_hit_tokens", "prefix_hit_rate",
                     "mean_kv_used_reserved_ratio", "decode_step_s_p50", "decode_kv_tokens_p50"]
 
 
@@ -198,8 +198,8 @@ def decode_scaling_lines(frame: pd.DataFrame) -> list[str]:
     slope = decode_seconds_per_1k_context(list(zip(runs["decode_kv_tokens_p50"], runs["decode_step_s_p50"])))
     if slope is None:
         return []
-    return [f"Decode step cost: {slope * 1000:.1f} ms per 1,000 context tokens (least-squares over {len(runs)} runs' "
-            "median decode-only step vs their KV tokens in use).", ""]
+    return [f"Decode step cost: {slope * 1000:.1f} ms per 1,000 context tokens summed over the batch (least-squares "
+            f"over {len(runs)} runs' median decode-only step vs their KV tokens in use, all sequences together).", ""]
 
 
 def write_report(root: Path) -> list[Path]:

@@ -15,7 +15,9 @@ from typing import Any
 
 import pandas as pd
 
-from experiments.metrics import SLO, e2e, itls, meets_slo, queue_time, tpot, ttft
+from experiments.metrics import (
+    SLO, e2e, e2e_including_client_queue, itls, meets_slo, queue_time, tpot, ttft,
+)
 from experiments.records import RequestRecord
 
 log = logging.getLogger(__name__)
@@ -24,7 +26,9 @@ REQUEST_COLUMNS = [
     "request_id", "engine_request_id", "prompt_tokens", "output_tokens",
     "arrival_s", "submit_s", "first_scheduled_s", "first_token_s", "finish_s",
     "queue_s", "ttft_s", "e2e_s", "tpot_s", "itl_mean_s", "itl_max_s",
+    "client_queue_s", "e2e_including_client_queue_s",
     "num_cached_tokens", "num_preemptions", "finish_reason", "meets_slo", "output_token_ids",
+    "prompt_text", "output_text",
 ]
 STEP_COLUMNS = [
     "step", "start_time", "end_time", "duration_s", "num_seqs", "num_prefill_tokens", "num_decode_tokens",
@@ -55,9 +59,11 @@ def requests_frame(records: Sequence[RequestRecord], slo: SLO) -> pd.DataFrame:
             "first_token_s": r.first_token_s, "finish_s": r.finish_s,
             "queue_s": queue_time(r), "ttft_s": ttft(r), "e2e_s": e2e(r), "tpot_s": tpot(r),
             "itl_mean_s": sum(gaps) / len(gaps) if gaps else None, "itl_max_s": max(gaps) if gaps else None,
+            "client_queue_s": r.client_queue_s, "e2e_including_client_queue_s": e2e_including_client_queue(r),
             "num_cached_tokens": r.num_cached_tokens, "num_preemptions": r.num_preemptions,
             "finish_reason": r.finish_reason, "meets_slo": meets_slo(r, slo),
             "output_token_ids": " ".join(map(str, r.output_token_ids)),
+            "prompt_text": r.prompt_text, "output_text": r.output_text,
         })
     return pd.DataFrame(rows, columns=REQUEST_COLUMNS)
 
@@ -105,6 +111,7 @@ SUMMARY_ROWS = [
     ("TTFT mean (s)", "ttft_s_mean"), ("TTFT p50 (s)", "ttft_s_p50"), ("TTFT p99 (s)", "ttft_s_p99"),
     ("TPOT mean (s)", "tpot_s_mean"), ("TPOT p99 (s)", "tpot_s_p99"), ("ITL p50 (s)", "itl_s_p50"),
     ("E2E p50 (s)", "e2e_s_p50"), ("E2E p99 (s)", "e2e_s_p99"),
+    ("client queue p50 (s)", "client_queue_s_p50"), ("E2E incl. client queue p99 (s)", "e2e_including_client_queue_s_p99"),
     ("forward passes", "forward_passes"), ("wasted slots", "wasted_slots"), ("preemptions", "preemptions"),
     ("prefix hit tokens", "prefix_hit_tokens"), ("peak KV used (tok)", "peak_kv_used_tokens"),
     ("peak KV reserved (tok)", "peak_kv_reserved_tokens"), ("mean KV used/reserved", "mean_kv_used_reserved_ratio"),
@@ -127,4 +134,27 @@ def summary_markdown(summary: dict[str, Any]) -> str:
     if summary.get("status") != "ok":
         parts += [f"**FAILED**: `{summary.get('error')}`", ""]
     parts += [summary_table(summary), ""]
+    if summary.get("samples"):
+        parts += ["## Sample answers", ""]
+        for sample in summary["samples"]:
+            parts += [f"**{sample['request_id']}** ({sample['output_tokens']} tokens, {sample['finish_reason']})", "",
+                      _quote(f"Prompt: {sample['prompt']}"), "", _quote(f"Answer: {_clip(sample['answer'])}"), ""]
     return "\n".join(parts)
+
+
+def sample_answers(records: Sequence[RequestRecord], count: int = 3) -> list[dict[str, Any]]:
+    """The first ``count`` requests that have text, for summary.json / summary.md."""
+    return [
+        {"request_id": r.request_id, "prompt": r.prompt_text, "answer": r.output_text,
+         "output_tokens": r.output_tokens, "finish_reason": r.finish_reason}
+        for r in records if r.output_text
+    ][:count]
+
+
+def _clip(text: str, limit: int = 600) -> str:
+    return text if len(text) <= limit else text[:limit] + " […]"
+
+
+def _quote(text: str) -> str:
+    """``text`` as a Markdown block quote (every line prefixed, blank lines kept)."""
+    return "\n".join(f"> {line}" if line else ">" for line in text.splitlines() or [""])

@@ -1,24 +1,35 @@
 """Seeded, reproducible request streams.
 
-Every generator returns a list of :class:`WorkloadRequest` sorted by arrival offset. Prompts
-are random token ids drawn from ``[0, vocab_size)`` minus the model's special ids (BOS, EOS,
-PAD), so no prompt ends early or looks like a document boundary; generated text is meaningless
-and benchmarks run with ``ignore_eos`` so every request produces exactly ``max_tokens`` tokens.
+Every generator returns a list of :class:`WorkloadRequest` sorted by arrival offset. The
+length-controlled workloads draw prompts as random token ids from ``[0, vocab_size)`` minus the
+model's special ids (BOS, EOS, PAD and, with a real tokenizer, its control tokens such as chat-turn
+markers), so no prompt ends early or looks like a document boundary; generated text is
+meaningless and they run with ``ignore_eos`` so every request produces exactly ``max_tokens``
+tokens (vLLM's random dataset does the same).
+
+``chat`` is the real-text workload: questions and instructions from servelab's prompt bank
+(:mod:`experiments.chat_prompts`), sent as chat messages and rendered through the model's chat
+template by :func:`tokenize_requests`; answers end at EOS, so output lengths are the model's own.
 
 The same ``(parameters, seed, vocab_size, special ids)`` always gives the same requests, so two
 engines fed the same workload see byte-identical prompts.
 
 Generators are picked by ``conf/workload/*.yaml`` through ``_target_`` and called as
-``hydra.utils.instantiate(cfg.workload, vocab_size=..., special_token_ids=...)``.
+``hydra.utils.instantiate(cfg.workload, vocab_size=..., special_token_ids=...)``, then
+:func:`tokenize_requests` with the engine's tokenizer.
 """
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
 from engine.sampling_params import SamplingParams
+from engine.tokenizer import encode_chat
+from engine.tokenizer import special_token_ids as tokenizer_special_ids
+from experiments.chat_prompts import prompt_bank
 
 
 @dataclass(frozen=True)
@@ -30,12 +41,30 @@ class WorkloadRequest:
         prompt_token_ids: the prompt.
         sampling_params: how it is generated (greedy, ``ignore_eos`` by default).
         arrival_offset_s: when the request arrives, in seconds after the run starts.
+        messages: a chat conversation (``{"role", "content"}`` dicts) whose rendering by the
+            chat template becomes ``prompt_token_ids`` (:func:`tokenize_requests`); empty for
+            token-id workloads.
     """
 
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     arrival_offset_s: float = 0.0
+    messages: tuple[dict[str, str], ...] = ()
+
+    @property
+    def prompt_text(self) -> str:
+        """What the user wrote: the last message of a chat request ("" for token-id prompts)."""
+        return self.messages[-1]["content"] if self.messages else ""
+
+
+def tokenize_requests(requests: Sequence[WorkloadRequest], tokenizer: Any | None) -> list[WorkloadRequest]:
+    """Chat requests with their messages rendered through the chat template into token ids;
+    token-id requests unchanged. ``ValueError`` if chat requests meet a model without a tokenizer."""
+    if any(r.messages for r in requests) and tokenizer is None:
+        raise ValueError("the chat workload needs a model with a tokenizer and chat template "
+                         "(e.g. model=smollm2-135m-instruct)")
+    return [replace(r, prompt_token_ids=encode_chat(tokenizer, r.messages)) if r.messages else r for r in requests]
 
 
 class TokenSampler:
@@ -56,9 +85,10 @@ class TokenSampler:
         return int(self.rng.integers(low, high + 1))
 
 
-def special_token_ids(model_config: object) -> list[int]:
-    """BOS / EOS / PAD ids of a model config (servelab's ``ModelConfig`` or an HF config)."""
-    ids: list[int] = []
+def special_token_ids(model_config: object, tokenizer: Any | None = None) -> list[int]:
+    """BOS / EOS / PAD ids of a model config (servelab's ``ModelConfig`` or an HF config), plus
+    every special or added token of ``tokenizer`` when there is one."""
+    ids: list[int] = list(tokenizer_special_ids(tokenizer))
     for name in ("bos_token_id", "eos_token_id", "eos_token_ids", "pad_token_id"):
         value = getattr(model_config, name, None)
         if value is None:
@@ -229,4 +259,38 @@ def long_context(
     return [
         WorkloadRequest(_name(i), sampler.tokens(context_len), _params(max_tokens, ignore_eos, temperature))
         for i in range(num_users)
+    ]
+
+
+def chat(
+    vocab_size: int,
+    special_token_ids: Sequence[int] = (),
+    seed: int = 0,
+    num_requests: int = 16,
+    concurrency: int = 8,
+    rate: float = float("inf"),
+    burstiness: float = 1.0,
+    max_tokens: int = 128,
+    system_prompt: str | None = None,
+    ignore_eos: bool = False,
+    temperature: float = 0.0,
+) -> list[WorkloadRequest]:
+    """``num_requests`` prompts drawn (seeded, without repeats while the bank lasts) from
+    servelab's chat prompt bank, arriving at ``rate`` req/s (``inf``: all at t=0; see
+    :func:`gamma_arrival_offsets`). Each is a one-turn conversation, optionally after a
+    ``system_prompt`` (``None`` keeps the chat template's default system turn).
+
+    ``vocab_size`` / ``special_token_ids`` are accepted like every generator's and unused: chat
+    prompts are text. ``concurrency`` is read by the driver's client-side cap.
+    """
+    del vocab_size, special_token_ids, concurrency
+    bank = prompt_bank()
+    rng = np.random.default_rng(seed)
+    picks = rng.choice(len(bank), size=num_requests, replace=num_requests > len(bank))
+    offsets = gamma_arrival_offsets(num_requests, rate, burstiness, np.random.default_rng([seed, 1]))
+    system = ({"role": "system", "content": system_prompt},) if system_prompt else ()
+    return [
+        WorkloadRequest(_name(i), [], _params(max_tokens, ignore_eos, temperature), offset,
+                        messages=(*system, {"role": "user", "content": bank[pick]}))
+        for i, (pick, offset) in enumerate(zip(picks, offsets))
     ]

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.sampling_params import SamplingParams
+from engine.tokenizer import encode_chat, encode_prompt
 from server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, bad_request
 
 
@@ -65,10 +66,7 @@ def completion_prompt_ids(body: CompletionRequest, limits: ModelLimits) -> list[
                               "prompt")
         prompt = prompt[0]
     if isinstance(prompt, str):
-        tokenizer = _require_tokenizer(limits, "a text prompt", "prompt")
-        from engine.tokenizer import encode_prompt
-
-        return encode_prompt(tokenizer, prompt)
+        return encode_prompt(_require_tokenizer(limits, "a text prompt", "prompt"), prompt)
     bad = [t for t in prompt if not 0 <= t < limits.vocab_size]
     if bad:
         raise bad_request(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {limits.vocab_size})", "prompt")
@@ -80,8 +78,6 @@ def chat_prompt_ids(body: ChatCompletionRequest, limits: ModelLimits) -> list[in
     for i, message in enumerate(body.messages):
         if not isinstance(message.content, str) and any(part.type != "text" for part in message.content):
             raise bad_request(f"messages[{i}].content: only text parts are supported", f"messages[{i}].content")
-    from engine.tokenizer import encode_chat
-
     try:
         return encode_chat(tokenizer, [{"role": m.role, "content": m.text()} for m in body.messages])
     except ValueError as error:
@@ -111,10 +107,9 @@ def sampling_params(body: SamplingFields, prompt_len: int, limits: ModelLimits, 
         _require_tokenizer(limits, "stop strings", "stop")
         if not all(stop):
             raise bad_request("stop strings must not be empty", "stop")
-    extra = {"stop": stop} if stop else {}
     try:
         return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                              top_k=body.top_k, seed=body.seed, ignore_eos=body.ignore_eos, **extra)
+                              top_k=body.top_k, seed=body.seed, ignore_eos=body.ignore_eos, stop=stop)
     except ValueError as error:
         raise bad_request(str(error), None) from error
 

@@ -79,6 +79,35 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+BYTE_LLAMA = dict(TINY_LLAMA, vocab_size=259, bos_token_id=256, eos_token_id=257)  # ids 0-255 are bytes
+BYTE_CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                      "{% if add_generation_prompt %}<s>assistant: {% endif %}")
+
+
+def byte_tokenizer():
+    """A byte-level tokenizer: ids 0-255 are the 256 bytes (so every non-ASCII character spans
+    several tokens), 256-258 are <s>, </s>, <pad>; with a small chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    byte_chars = bytes_to_unicode()
+    backend = Tokenizer(models.BPE(vocab={byte_chars[b]: b for b in range(256)}, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    tokenizer.chat_template = BYTE_CHAT_TEMPLATE
+    return tokenizer
+
+
+@pytest.fixture(scope="session")
+def byte_text_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama whose vocabulary is bytes, saved with :func:`byte_tokenizer`: text in/out on the fast suite."""
+    path = build_random_checkpoint(BYTE_LLAMA, tmp_path_factory.mktemp("byte_llama"), seed=4)
+    byte_tokenizer().save_pretrained(str(path))
+    return path
+
+
 @pytest.fixture(scope="session")
 def long_context_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """TINY_LLAMA with room for 1,024 positions (prefix-sharing prompts of 500+ tokens)."""

@@ -26,7 +26,7 @@ from server_harness import live_server, wrap_forward
 
 def compose_run(*overrides: str):
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose("config", overrides=["model=tiny", "plots=false", "driver.progress=false", *overrides])
+        return compose("config", overrides=["model=tiny", "workload=burst", "plots=false", "driver.progress=false", *overrides])
 
 
 def request(name: str, prompt: list[int], max_tokens: int, offset: float = 0.0) -> WorkloadRequest:

@@ -7,17 +7,18 @@ import math
 import pytest
 
 from experiments.metrics import (
-    SLO, decode_points, decode_seconds_per_1k_context, distribution, e2e, itls, meets_slo, queued_steps, queueing_metrics,
-    request_metrics, step_metrics, tpot, ttft,
+    SLO, decode_points, decode_seconds_per_1k_context, distribution, e2e, e2e_including_client_queue, itls, meets_slo,
+    queue_time, queued_steps, queueing_metrics, request_metrics, step_metrics, tpot, ttft,
 )
 from experiments.records import RequestRecord
 
 
-def record(name: str, arrival: float, token_times: list[float], prompt: int = 10, scheduled: float | None = None) -> RequestRecord:
+def record(name: str, arrival: float, token_times: list[float], prompt: int = 10, scheduled: float | None = None,
+           submit: float | None = None) -> RequestRecord:
     return RequestRecord(
         request_id=name, engine_request_id=name, prompt_tokens=prompt, output_tokens=len(token_times),
-        arrival_s=arrival, submit_s=arrival, first_scheduled_s=scheduled, first_token_s=token_times[0],
-        finish_s=token_times[-1], token_times_s=token_times,
+        arrival_s=arrival, submit_s=arrival if submit is None else submit, first_scheduled_s=scheduled,
+        first_token_s=token_times[0], finish_s=token_times[-1], token_times_s=token_times,
     )
 
 
@@ -32,6 +33,19 @@ def test_per_request_definitions() -> None:
     assert tpot(A) == pytest.approx((1.1 - 0.5) / 3)
     assert itls(A) == pytest.approx([0.2, 0.3, 0.1])
     assert tpot(B) is None and itls(B) == []
+
+
+def test_latency_clock_starts_at_send_and_client_queue_is_separate() -> None:
+    # arrived at 1.0, held back by the client-side cap until 3.0, scheduled at 3.5, tokens at 4, 4.5, 5
+    held = record("held", 1.0, [4.0, 4.5, 5.0], scheduled=3.5, submit=3.0)
+    assert ttft(held) == pytest.approx(1.0) and e2e(held) == pytest.approx(2.0)  # from the send (vLLM)
+    assert held.client_queue_s == pytest.approx(2.0)
+    assert e2e_including_client_queue(held) == pytest.approx(4.0)
+    assert queue_time(held) == pytest.approx(0.5)  # engine queue only
+    m = request_metrics([held], SLO(ttft_s=1.5, e2e_s=2.5))
+    assert m["num_good_requests"] == 1  # the SLOs see the latency from the send, not the client wait
+    assert m["client_queue_s_p50"] == pytest.approx(2.0) and m["e2e_including_client_queue_s_p50"] == pytest.approx(4.0)
+    assert m["duration_s"] == pytest.approx(4.0)  # the run still spans first arrival to last finish
 
 
 def test_distribution_matches_numpy_linear_percentiles() -> None:
@@ -85,7 +99,9 @@ def test_step_aggregates_and_missing_columns() -> None:
     m = step_metrics(steps)
     assert (m["wasted_slots"], m["forward_passes"], m["preemptions"], m["prefix_hit_tokens"]) == (3, 2, 1, 16)
     assert (m["peak_kv_used_tokens"], m["peak_kv_reserved_tokens"], m["max_running_seqs"]) == (40, 60, 3)
-    assert m["mean_kv_used_reserved_ratio"] == pytest.approx((0.5 + 0.8) / 2)
+    # time averages: the 0.3 s step weighs three times the 0.1 s step
+    assert m["mean_kv_used_reserved_ratio"] == pytest.approx((0.5 * 0.1 + 0.8 * 0.3) / 0.4)
+    assert m["mean_kv_used_fraction"] == pytest.approx((30 / 128 * 0.1 + 40 / 128 * 0.3) / 0.4)
     assert m["step_time_s_mean"] == pytest.approx(0.2)
     empty = step_metrics([{"kv_capacity_tokens": None, "kv_used_tokens": math.nan}])
     assert empty["kv_capacity_tokens"] is None and empty["mean_kv_used_reserved_ratio"] is None
@@ -125,5 +141,5 @@ def test_report_fits_decode_cost_across_runs_of_different_context() -> None:
         "job": ["0", "1", "2"], "status": ["ok"] * 3, "override:workload.context_len": [250, 500, 1000],
         "decode_kv_tokens_p50": kv, "decode_step_s_p50": [0.05 + 13.5e-6 * x for x in kv],
     })
-    assert "13.5 ms per 1,000 context tokens" in decode_scaling_lines(frame)[0]
+    assert "13.5 ms per 1,000 context tokens summed over the batch" in decode_scaling_lines(frame)[0]
     assert decode_scaling_lines(frame.drop(columns="override:workload.context_len")) == []

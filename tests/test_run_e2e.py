@@ -13,7 +13,8 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
 from experiments.driver import drive
-from experiments.results import REQUEST_COLUMNS, STEP_COLUMNS
+from experiments.metrics import SLO
+from experiments.results import REQUEST_COLUMNS, STEP_COLUMNS, requests_frame
 from experiments.workloads import special_token_ids
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,15 +78,23 @@ def test_greedy_tokens_identical_servelab_and_hf_static() -> None:
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfgs = {engine: compose("config", overrides=[*TINY_BURST, f"engine={engine}", "device=cpu"])
                 for engine in ("servelab", "hf_static")}
-    tokens = {}
+    tokens, tables = {}, {}
     for name, cfg in cfgs.items():
         engine = instantiate(cfg.engine)(cfg)
         mc = engine.model_config
         requests = instantiate(cfg.workload, vocab_size=mc.vocab_size, special_token_ids=special_token_ids(mc))
         result = drive(engine, requests, cfg.driver.max_concurrency, progress=False)
         tokens[name] = {r.request_id: r.output_token_ids for r in result.records}
+        tables[name] = requests_frame(result.records, SLO())
     assert len(tokens["servelab"]) == 4
     assert tokens["servelab"] == tokens["hf_static"]
+    # hf_static is streamed: its first token comes at the prefill step, before the finish, and
+    # every token has its own time (one per decoding step of the batch)
+    static = tables["hf_static"]
+    assert (static["output_tokens"] > 1).all()
+    assert (static["ttft_s"] < static["e2e_s"]).all() and (static["tpot_s"] > 0).all() and (static["itl_mean_s"] > 0).all()
+    # the driver held half the burst behind the client cap: their wait is client queue, not TTFT
+    assert (static["client_queue_s"] > 0).sum() == 2 and (static["e2e_including_client_queue_s"] >= static["e2e_s"]).all()
 
 
 @pytest.mark.slow

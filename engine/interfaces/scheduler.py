@@ -5,6 +5,12 @@ sequence it runs, how many new tokens to compute — a whole prompt, a prefill c
 decode token — asks the cache strategy for room, and may preempt sequences to make room.
 Because every step is "some tokens per sequence", prefill, decode, chunked prefill, prefix hits
 and recompute after preemption share one code path in the runner.
+
+Liveness: a scheduler rejects, before it is queued, any request it could never run
+(``validate_request``), so a step with work pending always schedules something. If one does
+not (a bug, or a limit nobody thought of), the engine raises :class:`SchedulerStalled` with the
+scheduler's ``explain_stall()`` instead of returning empty steps forever. Invariants are checked
+with real exceptions (:class:`SchedulerInvariantError`), so they hold under ``python -O`` too.
 """
 from __future__ import annotations
 
@@ -12,6 +18,15 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from engine.sequence import Sequence
+
+
+class SchedulerInvariantError(RuntimeError):
+    """A scheduler broke one of its own invariants (a bug): raised, never asserted."""
+
+
+class SchedulerStalled(RuntimeError):
+    """Work is pending but nothing can ever be scheduled: no running sequence will free memory
+    and the head of the queue does not fit. The message names the request and the limit."""
 
 
 @dataclass
@@ -53,11 +68,16 @@ class SchedulerOutput:
 class Scheduler(Protocol):
     """Built by ``hydra.utils.instantiate(cfg, cache=cache, max_model_len=...)``."""
 
+    def validate_request(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Raise ``ValueError`` naming the limit if this scheduler, as configured, could never
+        run such a request (even alone); otherwise return. No side effects."""
+
     def add(self, seq: Sequence) -> None:
-        """Queue a new request (status WAITING)."""
+        """Queue a new request (status WAITING); validates it first."""
 
     def schedule(self) -> SchedulerOutput:
-        """Decide this step's batch. Asserts its invariants before returning."""
+        """Decide this step's batch. Checks its invariants (raising
+        :class:`SchedulerInvariantError`) before returning."""
 
     def retire(self, finished: list[Sequence]) -> None:
         """Called after the step with the sequences that just finished; frees what it may."""
@@ -67,6 +87,10 @@ class Scheduler(Protocol):
 
     def has_unfinished(self) -> bool:
         """Anything waiting, running, or occupying a slot."""
+
+    def explain_stall(self) -> str:
+        """Why the last ``schedule()`` scheduled nothing although work is pending: the request
+        at the head of the queue and the limit it cannot get past."""
 
     @property
     def num_waiting(self) -> int: ...

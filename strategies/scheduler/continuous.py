@@ -13,7 +13,7 @@ from collections import deque
 
 from engine.sequence import Sequence, SequenceStatus
 from engine.interfaces.cache import KVCacheStrategy
-from engine.interfaces.scheduler import ScheduledSequence, SchedulerOutput
+from engine.interfaces.scheduler import ScheduledSequence, SchedulerInvariantError, SchedulerOutput
 
 
 class ContinuousScheduler:
@@ -54,12 +54,29 @@ class ContinuousScheduler:
         self.running: list[Sequence] = []  # admission order: oldest first
 
     # -- queue -----------------------------------------------------------------------------
-    def add(self, seq: Sequence) -> None:
-        if not self.chunked_prefill and seq.num_prompt_tokens > self.max_num_batched_tokens:
+    def max_tokens_in_one_step(self, num_prompt_tokens: int, max_tokens: int) -> int:
+        """The most tokens this request may ever need computed in one step without chunked
+        prefill: its prompt (worst-case reservation means it is never preempted)."""
+        return num_prompt_tokens
+
+    def validate_request(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Without chunked prefill a request's prefill is one step: it must fit the token budget."""
+        if self.chunked_prefill:
+            return
+        needed = self.max_tokens_in_one_step(num_prompt_tokens, max_tokens)
+        if needed > self.max_num_batched_tokens:
             raise ValueError(
-                f"prompt of {seq.num_prompt_tokens} tokens exceeds max_num_batched_tokens="
-                f"{self.max_num_batched_tokens}; raise it or enable chunked_prefill"
+                f"request needs up to {needed} tokens computed in one step "
+                f"({self.one_step_need_reason(num_prompt_tokens, max_tokens)}) but max_num_batched_tokens="
+                f"{self.max_num_batched_tokens} and chunked_prefill is off; raise max_num_batched_tokens or "
+                f"enable chunked_prefill"
             )
+
+    def one_step_need_reason(self, num_prompt_tokens: int, max_tokens: int) -> str:
+        return f"its prompt of {num_prompt_tokens} tokens"
+
+    def add(self, seq: Sequence) -> None:
+        self.validate_request(seq.num_prompt_tokens, seq.sampling_params.max_tokens)
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
@@ -122,7 +139,11 @@ class ContinuousScheduler:
                 num_new = token_budget
             if not self.cache.admit(seq, self.admission_reservation(seq, num_cached + num_new)):
                 break
-            assert seq.num_computed_tokens == num_cached, "cache applied a different prefix hit than it reported"
+            if seq.num_computed_tokens != num_cached:
+                raise SchedulerInvariantError(
+                    f"cache applied a prefix hit of {seq.num_computed_tokens} tokens to sequence {seq.seq_id} "
+                    f"but reported {num_cached}"
+                )
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -141,19 +162,53 @@ class ContinuousScheduler:
         else:  # waiting or preempted: it holds no memory
             self.waiting.remove(seq)
 
-    # -- invariants (checked at the end of every schedule(), like vLLM) ----------------------
+    # -- liveness ---------------------------------------------------------------------------
+    def explain_stall(self) -> str:
+        """Why nothing was scheduled although work is pending (see ``SchedulerStalled``)."""
+        if not self.waiting:
+            return f"{len(self.running)} running sequences, none could be scheduled (token budget {self.max_num_batched_tokens})"
+        seq = self.waiting[0]
+        num_cached = self.cache.num_cached_prefix_tokens(seq)
+        num_new = seq.num_tokens - num_cached
+        who = (f"request {seq.seq_id} ({seq.status.value}: prompt {seq.num_prompt_tokens} + "
+               f"{seq.num_output_tokens} generated tokens, {num_cached} cached)")
+        if not self.chunked_prefill and num_new > self.max_num_batched_tokens:
+            return (f"{who} needs {num_new} tokens computed in one step but max_num_batched_tokens="
+                    f"{self.max_num_batched_tokens} and chunked_prefill is off")
+        if len(self.running) >= self.max_num_seqs:
+            return f"{who} waits for a slot: max_num_seqs={self.max_num_seqs} running"
+        reservation = self.admission_reservation(seq, num_cached + min(num_new, self.max_num_batched_tokens))
+        stats = self.cache.stats()
+        return (f"{who} needs KV memory for {reservation} tokens but the cache has {stats.num_free_blocks} of "
+                f"{stats.num_blocks} blocks of {self.cache.block_size} tokens free, with {len(self.running)} "
+                f"sequences running")
+
+    # -- invariants (checked at the end of every schedule(), like vLLM; raised, never asserted) --
     def check_invariants(self, output: SchedulerOutput) -> None:
-        assert len(self.running) <= self.max_num_seqs, "more running sequences than slots"
-        assert output.num_batched_tokens <= self.max_num_batched_tokens, "token budget exceeded"
+        if len(self.running) > self.max_num_seqs:
+            raise SchedulerInvariantError(f"{len(self.running)} running sequences for {self.max_num_seqs} slots")
+        if output.num_batched_tokens > self.max_num_batched_tokens:
+            raise SchedulerInvariantError(
+                f"{output.num_batched_tokens} tokens scheduled over the budget of {self.max_num_batched_tokens}"
+            )
         scheduled_ids = [item.seq.seq_id for item in output.scheduled]
-        assert len(scheduled_ids) == len(set(scheduled_ids)), "a sequence is scheduled twice"
+        if len(scheduled_ids) != len(set(scheduled_ids)):
+            raise SchedulerInvariantError(f"a sequence is scheduled twice in {scheduled_ids}")
         block_size = self.cache.block_size
         for item in output.scheduled:
             seq = item.seq
             expected = SequenceStatus.FINISHED if item.is_padding else SequenceStatus.RUNNING
-            assert seq.status is expected, f"scheduled sequence {seq.seq_id} is {seq.status}"
+            if seq.status is not expected:
+                raise SchedulerInvariantError(f"scheduled sequence {seq.seq_id} is {seq.status}, expected {expected}")
             end = seq.num_tokens if item.is_padding else seq.num_computed_tokens + item.num_new_tokens
-            assert 0 < item.num_new_tokens and end <= seq.num_tokens, "scheduled past the sequence's tokens"
-            assert end <= len(seq.block_table) * block_size, f"sequence {seq.seq_id} has no KV room for its tokens"
+            if item.num_new_tokens <= 0 or end > seq.num_tokens:
+                raise SchedulerInvariantError(
+                    f"sequence {seq.seq_id} scheduled {item.num_new_tokens} tokens up to {end} of its {seq.num_tokens}"
+                )
+            if end > len(seq.block_table) * block_size:
+                raise SchedulerInvariantError(
+                    f"sequence {seq.seq_id} has KV room for {len(seq.block_table) * block_size} tokens, needs {end}"
+                )
         for seq in output.preempted:
-            assert seq.seq_id not in scheduled_ids and not seq.block_table, "a preempted sequence kept memory"
+            if seq.seq_id in scheduled_ids or seq.block_table:
+                raise SchedulerInvariantError(f"preempted sequence {seq.seq_id} is scheduled or kept its memory")

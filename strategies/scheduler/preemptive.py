@@ -17,7 +17,19 @@ from strategies.scheduler.continuous import ContinuousScheduler
 
 
 class PreemptiveScheduler(ContinuousScheduler):
-    """Same arguments as :class:`ContinuousScheduler`."""
+    """Same arguments as :class:`ContinuousScheduler`.
+
+    Liveness: without chunked prefill a preempted sequence is recomputed in one step, prompt plus
+    every token it generated, so a request is accepted only if prompt + max_tokens - 1 (the most
+    it can hold when preempted before its last token) fits ``max_num_batched_tokens``.
+    """
+
+    def max_tokens_in_one_step(self, num_prompt_tokens: int, max_tokens: int) -> int:
+        return num_prompt_tokens + max_tokens - 1
+
+    def one_step_need_reason(self, num_prompt_tokens: int, max_tokens: int) -> str:
+        return (f"after a preemption its prompt of {num_prompt_tokens} tokens plus up to {max_tokens - 1} "
+                f"generated tokens (max_tokens={max_tokens}) are recomputed in one step")
 
     def admission_reservation(self, seq: Sequence, num_tokens_this_step: int) -> int:
         return num_tokens_this_step
