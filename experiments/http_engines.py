@@ -120,6 +120,8 @@ class OpenAIEngine:
 
         run, server_metrics = asyncio.run(measured())
         result = drive_result(run)
+        if requests and not result.records:
+            raise RuntimeError(f"all {len(requests)} requests failed; the first: {result.failures[0]['error']}")
         result.extra_metrics.update(server_metrics)
         workload = self.cfg.get("workload", {})
         all_at_once = all(r.arrival_offset_s == 0 for r in requests)

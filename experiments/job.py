@@ -45,7 +45,9 @@ def run_labels(cfg: DictConfig, choices: dict[str, Any], overrides: list[str]) -
     labels: dict[str, Any] = {group: choices.get(group) for group in LABEL_GROUPS}
     if labels["engine"] not in ("servelab", "servelab_http"):  # peers and remote servers ignore servelab's strategy groups
         labels.update(cache=None, scheduler=None, attention=None)
-    labels["concurrency"] = OmegaConf.select(cfg, "workload.concurrency", default=None)
+    # users in flight: the workload's concurrency cap, or its number of users (shared_prefix)
+    labels["concurrency"] = OmegaConf.select(cfg, "workload.concurrency", default=None) or \
+        OmegaConf.select(cfg, "workload.num_users", default=None)
     labels["block_size"] = OmegaConf.select(cfg, "cache.block_size", default=None)
     labels["capacity_tokens"] = OmegaConf.select(cfg, "cache.capacity_tokens", default=None)
     labels["max_num_seqs"] = OmegaConf.select(cfg, "scheduler.max_num_seqs", default=None)
