@@ -20,13 +20,13 @@ import time
 import warnings
 from collections.abc import Mapping
 from collections.abc import Sequence as SequenceOf
+from typing import Any
 
 import torch
-from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from engine import host_memory
-from engine.config import engine_config
+from engine.config import engine_config, instantiate_strategy
 from engine.detokenizer import IncrementalDetokenizer
 from engine.device import resolve_device, resolve_dtype
 from engine.fused_ops import FusedOps
@@ -70,6 +70,9 @@ class LLM:
         dtype: ``float32``, ``bfloat16``, ``float16`` or ``auto``.
         block_size, capacity_tokens: cache options (``None`` keeps the YAML default).
         max_num_seqs, max_num_batched_tokens, chunked_prefill: scheduler options.
+        scheduler_options / attention_options: any other option of the chosen YAML, by name
+            (e.g. ``{"policy": "priority"}``, ``{"preemption_mode": "swap", "swap_space_tokens": 4096}``);
+            ``ValueError`` for an option the strategy does not have.
         weights: ``random`` (seeded random weights, built once and cached), ``pretrained``, or
             ``None`` (the named model's own setting).
         seed: seeds the sampler's shared generator.
@@ -112,6 +115,8 @@ class LLM:
         cuda_graphs: bool = False,
         fused_ops: bool | str = "auto",
         keep_freed_memory: bool | str = "auto",
+        scheduler_options: dict[str, Any] | None = None,
+        attention_options: dict[str, Any] | None = None,
     ) -> None:
         cfg = engine_config(
             model, cache, scheduler, attention, device, dtype, weights, seed,
@@ -120,7 +125,9 @@ class LLM:
                 "max_num_seqs": max_num_seqs,
                 "max_num_batched_tokens": max_num_batched_tokens,
                 "chunked_prefill": chunked_prefill,
+                **(scheduler_options or {}),
             },
+            attention_options=attention_options or {},
         )
         self.build(cfg, prepack=prepack, cuda_graphs=cuda_graphs, fused_ops=fused_ops,
                    keep_freed_memory=keep_freed_memory)
@@ -154,9 +161,8 @@ class LLM:
         self.fused = self.apply_fused_ops(fused_ops)
         self.kept_freed_memory = self.apply_keep_freed_memory(keep_freed_memory)
         mc: ModelConfig = self.model_config
-        self.build_scheduling(cfg)
-        self.cache.allocate_tensors(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, self.dtype, self.device)
-        self.attention = instantiate(cfg.attention)
+        self.build_scheduling(cfg, allocate_kv=True)
+        self.attention = instantiate_strategy(cfg.attention)
         self.runner = ModelRunner(self.model, self.cache, self.attention, self.device)
         if cuda_graphs and self.device.type == "cuda":
             from engine.cuda_graphs import DecodeGraphs
@@ -168,17 +174,21 @@ class LLM:
             )
         self.sampler = Sampler(cfg.seed)
 
-    def build_scheduling(self, cfg: DictConfig) -> None:
+    def build_scheduling(self, cfg: DictConfig, allocate_kv: bool) -> None:
         """The model-independent half of the engine: cache and scheduler from ``cfg.cache`` /
         ``cfg.scheduler`` (Hydra instantiate), the step records and the per-request bookkeeping. Needs
-        ``self.model_config``; the simulator (``simulator/``) builds on this alone."""
+        ``self.model_config``; the simulator (``simulator/``) builds on this alone, without KV tensors
+        (``allocate_kv=False``). The tensors exist before the scheduler is built: swap preemption
+        sizes its host pool from them."""
         mc: ModelConfig = self.model_config
-        self.cache = instantiate(cfg.cache)
+        self.cache = instantiate_strategy(cfg.cache)
         self.cache.bind_model_limits(mc.max_model_len)
-        self.scheduler = instantiate(cfg.scheduler, cache=self.cache, max_model_len=mc.max_model_len)
+        if allocate_kv:
+            self.cache.allocate_tensors(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, self.dtype, self.device)
+        self.scheduler = instantiate_strategy(cfg.scheduler, cache=self.cache, max_model_len=mc.max_model_len)
         self.step_records: list[StepRecord] = []
         self.request_counter = itertools.count()
-        self.prefix_hits_so_far = 0
+        self.cache_stats_so_far = self.cache.stats()  # cumulative counters at the last step record
         # Live requests by id (queued, running, preempted), and aborts to apply at the next step.
         self.requests: dict[int, Sequence] = {}
         self.pending_aborts: list[int] = []
@@ -400,8 +410,7 @@ class LLM:
     def record_step(self, plan: SchedulerOutput, start: float, shape: StepShape) -> None:
         stats = self.cache.stats()
         end = self.clock()
-        prefix_hits = stats.prefix_hit_tokens - self.prefix_hits_so_far
-        self.prefix_hits_so_far = stats.prefix_hit_tokens
+        before, self.cache_stats_so_far = self.cache_stats_so_far, stats
         self.step_records.append(
             StepRecord(
                 step=len(self.step_records),
@@ -416,10 +425,15 @@ class LLM:
                 kv_reserved_tokens=stats.reserved_tokens,
                 kv_capacity_tokens=stats.capacity_tokens,
                 num_preempted=len(plan.preempted),
-                prefix_hit_tokens=prefix_hits,
+                prefix_hit_tokens=stats.prefix_hit_tokens - before.prefix_hit_tokens,
                 num_waiting=self.scheduler.num_waiting,
                 num_running=self.scheduler.num_running,
                 forward_passes=1,
+                swap_out_blocks=stats.swap_out_blocks - before.swap_out_blocks,
+                swap_in_blocks=stats.swap_in_blocks - before.swap_in_blocks,
+                swap_out_bytes=stats.swap_out_bytes - before.swap_out_bytes,
+                swap_in_bytes=stats.swap_in_bytes - before.swap_in_bytes,
+                swap_time_s=stats.swap_time_s - before.swap_time_s,
                 num_sampled=shape.num_sampled,
                 context_tokens=shape.context_tokens,
                 prefill_attention_pairs=shape.prefill_attention_pairs,
@@ -495,5 +509,5 @@ class LLM:
     def free_blocks_check(self) -> None:
         """Assert no KV memory is held (call when ``has_unfinished()`` is False)."""
         stats = self.cache.stats()
-        if stats.num_free_blocks != stats.num_blocks or stats.reserved_tokens:
+        if stats.num_free_blocks != stats.num_blocks or stats.reserved_tokens or stats.swap_used_blocks:
             raise AssertionError(f"KV leak: {stats}")

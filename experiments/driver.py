@@ -22,7 +22,7 @@ import heapq
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from tqdm import tqdm
@@ -47,12 +47,20 @@ class ServingEngine(Protocol):
 
 @dataclass
 class DriveResult:
-    """What one run produced: finished requests (workload order) and the engine's step records."""
+    """What one run produced: finished requests (workload order) and the engine's step records.
+
+    Drivers that can see failed requests or server-side counters (the HTTP client) also report
+    ``extra_metrics`` (merged into the summary's metrics), ``failures`` (request id and reason) and
+    ``extra_json`` (more result files: name -> content, e.g. ``vllm_bench.json``).
+    """
 
     records: list[RequestRecord]
     steps: list[dict[str, Any]]
     t0: float
     wall_s: float
+    extra_metrics: dict[str, Any] = field(default_factory=dict)
+    failures: list[dict[str, Any]] = field(default_factory=list)
+    extra_json: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 def _relative_steps(steps: list[Any], t0: float) -> list[dict[str, Any]]:
