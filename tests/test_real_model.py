@@ -159,3 +159,26 @@ def test_strategies_say_the_same_thing(real_ckpt, real_prompts, hf_greedy_with_e
         assert sum(r.num_preempted for r in llm.step_records) > 0
         assert sum(r.prefix_hit_tokens for r in llm.step_records) > 0
     llm.free_blocks_check()
+
+
+@pytest.mark.slow(reason="the default `python run.py` on the real model in a subprocess (~30 s on 2 cores)")
+def test_default_run_shows_real_answers(tmp_path, real_ckpt):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import pandas as pd
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "run.py", "workload.num_requests=3", "workload.max_tokens=48",
+                           "driver.progress=false", "plots=false", f"hydra.run.dir={out}"],
+                          cwd=root, env=dict(os.environ, PYTHONPATH=str(root)), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["run"]["model"] == "smollm2-135m-instruct" and summary["run"]["workload"] == "chat"
+    requests = pd.read_csv(out / "requests.csv", keep_default_na=False)
+    assert (requests["output_text"].str.len() > 0).all() and (requests["finish_reason"] == "stop").any()
+    markdown = (out / "summary.md").read_text()
+    assert "## Sample answers" in markdown and requests["output_text"][0][:40] in markdown
