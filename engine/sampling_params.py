@@ -17,6 +17,8 @@ class SamplingParams:
             is in the batch and whichever strategies run. ``None`` uses the engine's generator.
         ignore_eos: keep generating after the end-of-sequence token (benchmarks use this).
         stop_token_ids: extra token ids that end the request (besides EOS unless ignored).
+        priority: scheduling priority under ``scheduler.policy=priority`` (an int; lower is
+            served first and preempted last; ties in arrival order). Other policies ignore it.
         stop: strings that end the request when its text contains one (a str or a list of them
             is accepted); the text ends before it and ``finish_reason`` is ``"stop"``. Needs a
             model with a tokenizer. While the request runs, ``RequestOutput.text`` holds back
@@ -30,6 +32,7 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
+    priority: int = 0
     stop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -46,6 +49,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
             raise ValueError(f"top_k must be -1, 0 (no limit) or positive, got {self.top_k}")
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
+            raise ValueError(f"priority must be an integer (lower is served first), got {self.priority!r}")
 
     @property
     def greedy(self) -> bool:

@@ -32,13 +32,15 @@ from experiments.metrics import decode_seconds_per_1k_context  # noqa: E402
 from experiments.plots import save_figure  # noqa: E402
 from experiments.results import unique_path  # noqa: E402
 
-LABEL_COLUMNS = ["engine", "model", "cache", "scheduler", "attention", "workload", "concurrency", "block_size",
+LABEL_COLUMNS = ["engine", "hardware", "model", "cache", "scheduler", "attention", "workload", "concurrency", "block_size",
                  "capacity_tokens", "max_num_seqs", "dtype", "seed"]
 REPORT_FILES = ["report.csv", "report.md", "throughput_vs_concurrency.png", "ttft_vs_concurrency.png",
                 "block_size_sweep.png", "ttft_cdf.png", "kv_usage.png"]
 MARKDOWN_METRICS = ["output_throughput", "request_throughput", "ttft_s_p50", "ttft_s_p99", "tpot_s_mean",
                     "e2e_s_p50", "client_queue_s_p50", "goodput", "wasted_slots", "forward_passes", "preemptions", "max_queued_steps", "prefix_hit_tokens", "prefix_hit_rate",
-                    "mean_kv_used_reserved_ratio", "decode_step_s_p50", "decode_kv_tokens_p50"]
+                    "mean_kv_used_reserved_ratio", "decode_step_s_p50", "decode_kv_tokens_p50",
+                    "swap_out_bytes", "swap_time_s"]
+SHOWN_WHEN_NONZERO = {"swap_out_bytes", "swap_time_s"}  # swap columns only in sweeps where something swapped
 
 
 def job_dirs(root: Path) -> list[Path]:
@@ -207,7 +209,9 @@ def write_report(root: Path) -> list[Path]:
     axes = axis_columns(frame)
     written = [unique_path(root / "report.csv")]
     frame.to_csv(written[0], index=False)
-    reported = [m for m in MARKDOWN_METRICS if m in frame and frame[m].notna().any()]
+    per_class = [c for c in frame.columns if c.startswith("priority_") and ("ttft_s" in c)]
+    reported = [m for m in [*MARKDOWN_METRICS, *per_class] if m in frame and frame[m].notna().any()
+                and (m not in SHOWN_WHEN_NONZERO or (frame[m].fillna(0) != 0).any())]
     headline = ["job", "status", *axes, *reported, "error"]
     md = [f"# servelab report: {root}", "", f"{len(frame)} runs, {int((frame['status'] != 'ok').sum())} failed.", "",
           markdown_table(frame, headline), "", *decode_scaling_lines(frame)]

@@ -28,12 +28,14 @@ REQUEST_COLUMNS = [
     "queue_s", "ttft_s", "e2e_s", "tpot_s", "itl_mean_s", "itl_max_s",
     "client_queue_s", "e2e_including_client_queue_s",
     "num_cached_tokens", "num_preemptions", "finish_reason", "meets_slo", "output_token_ids",
-    "prompt_text", "output_text",
+    "prompt_text", "output_text", "priority",
 ]
 STEP_COLUMNS = [
     "step", "start_time", "end_time", "duration_s", "num_seqs", "num_prefill_tokens", "num_decode_tokens",
     "num_wasted_slots", "kv_used_tokens", "kv_reserved_tokens", "kv_capacity_tokens", "num_preempted",
     "prefix_hit_tokens", "num_waiting", "num_running", "forward_passes",
+    "swap_out_blocks", "swap_in_blocks", "swap_out_bytes", "swap_in_bytes", "swap_time_s",
+    "num_sampled", "context_tokens", "attention_pairs",
 ]
 
 
@@ -63,7 +65,7 @@ def requests_frame(records: Sequence[RequestRecord], slo: SLO) -> pd.DataFrame:
             "num_cached_tokens": r.num_cached_tokens, "num_preemptions": r.num_preemptions,
             "finish_reason": r.finish_reason, "meets_slo": meets_slo(r, slo),
             "output_token_ids": " ".join(map(str, r.output_token_ids)),
-            "prompt_text": r.prompt_text, "output_text": r.output_text,
+            "prompt_text": r.prompt_text, "output_text": r.output_text, "priority": r.priority,
         })
     return pd.DataFrame(rows, columns=REQUEST_COLUMNS)
 
@@ -116,6 +118,7 @@ SUMMARY_ROWS = [
     ("prefix hit tokens", "prefix_hit_tokens"), ("peak KV used (tok)", "peak_kv_used_tokens"),
     ("peak KV reserved (tok)", "peak_kv_reserved_tokens"), ("mean KV used/reserved", "mean_kv_used_reserved_ratio"),
     ("max running seqs", "max_running_seqs"),
+    ("swapped out (bytes)", "swap_out_bytes"), ("swapped in (bytes)", "swap_in_bytes"), ("swap copy time (s)", "swap_time_s"),
 ]
 
 
@@ -124,13 +127,16 @@ def summary_table(summary: dict[str, Any]) -> str:
     flat = {"status": summary.get("status"), **summary.get("metrics", {})}
     lines = ["| metric | value |", "| --- | --- |"]
     lines += [f"| {label} | {_fmt(flat.get(key))} |" for label, key in SUMMARY_ROWS if key in flat]
+    lines += [f"| {key} | {_fmt(value)} |" for key, value in flat.items() if key.startswith("priority_")]
     return "\n".join(lines)
 
 
 def summary_markdown(summary: dict[str, Any]) -> str:
     run = summary.get("run", {})
-    title = " · ".join(f"{k}={v}" for k, v in run.items() if k in ("engine", "model", "cache", "scheduler", "attention", "workload"))
+    title = " · ".join(f"{k}={v}" for k, v in run.items() if k in ("engine", "model", "cache", "scheduler", "attention", "workload", "hardware"))
     parts = [f"# servelab run: {title}", ""]
+    if summary.get("simulation"):
+        parts += [f"**Simulated**: times are {summary['simulation']['timing']}.", ""]
     if summary.get("status") != "ok":
         parts += [f"**FAILED**: `{summary.get('error')}`", ""]
     parts += [summary_table(summary), ""]

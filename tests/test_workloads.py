@@ -134,3 +134,22 @@ def test_special_token_ids_include_the_tokenizers_control_tokens(byte_text_ckpt)
         eos_token_ids = (257,)
 
     assert workloads.special_token_ids(Config(), load_tokenizer(byte_text_ckpt)) == [256, 257, 258]
+
+
+def test_interactive_fraction_assigns_two_priority_classes() -> None:
+    requests = workloads.poisson(vocab_size=500, num_requests=40, interactive_fraction=0.2, seed=3)
+    priorities = [r.sampling_params.priority for r in requests]
+    assert priorities.count(0) == 8 and priorities.count(1) == 32
+    again = workloads.poisson(vocab_size=500, num_requests=40, interactive_fraction=0.2, seed=3)
+    assert [r.sampling_params.priority for r in again] == priorities
+    plain = workloads.poisson(vocab_size=500, num_requests=40, seed=3)
+    assert {r.sampling_params.priority for r in plain} == {0}
+    # the classes do not change the requests themselves
+    assert [r.prompt_token_ids for r in plain] == [r.prompt_token_ids for r in requests]
+    with pytest.raises(ValueError, match="interactive_fraction"):
+        workloads.burst(vocab_size=500, interactive_fraction=1.5)
+
+
+def test_shared_prefix_leader_arrives_ahead() -> None:
+    requests = workloads.shared_prefix(vocab_size=500, num_users=4, arrival_interval_s=0.0, leader_lead_s=0.1)
+    assert [r.arrival_offset_s for r in requests] == [0.0, 0.1, 0.1, 0.1]
