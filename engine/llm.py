@@ -161,8 +161,7 @@ class LLM:
         self.fused = self.apply_fused_ops(fused_ops)
         self.kept_freed_memory = self.apply_keep_freed_memory(keep_freed_memory)
         mc: ModelConfig = self.model_config
-        self.build_scheduling(cfg)
-        self.cache.allocate_tensors(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, self.dtype, self.device)
+        self.build_scheduling(cfg, allocate_kv=True)
         self.attention = instantiate_strategy(cfg.attention)
         self.runner = ModelRunner(self.model, self.cache, self.attention, self.device)
         if cuda_graphs and self.device.type == "cuda":
@@ -175,13 +174,17 @@ class LLM:
             )
         self.sampler = Sampler(cfg.seed)
 
-    def build_scheduling(self, cfg: DictConfig) -> None:
+    def build_scheduling(self, cfg: DictConfig, allocate_kv: bool) -> None:
         """The model-independent half of the engine: cache and scheduler from ``cfg.cache`` /
         ``cfg.scheduler`` (Hydra instantiate), the step records and the per-request bookkeeping. Needs
-        ``self.model_config``; the simulator (``simulator/``) builds on this alone."""
+        ``self.model_config``; the simulator (``simulator/``) builds on this alone, without KV tensors
+        (``allocate_kv=False``). The tensors exist before the scheduler is built: swap preemption
+        sizes its host pool from them."""
         mc: ModelConfig = self.model_config
         self.cache = instantiate_strategy(cfg.cache)
         self.cache.bind_model_limits(mc.max_model_len)
+        if allocate_kv:
+            self.cache.allocate_tensors(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, self.dtype, self.device)
         self.scheduler = instantiate_strategy(cfg.scheduler, cache=self.cache, max_model_len=mc.max_model_len)
         self.step_records: list[StepRecord] = []
         self.request_counter = itertools.count()
