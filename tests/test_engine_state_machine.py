@@ -25,19 +25,19 @@ import itertools
 from pathlib import Path
 
 import pytest
-import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
 
 from engine import LLM, SamplingParams
-from engines import build_engine
+from engines import build_engine, one_thread  # noqa: F401 (fixture)
 
 CACHES = ["contiguous", "paged", "prefix"]
 SCHEDULERS = ["static", "continuous", "preemptive"]
 MAX_MODEL_LEN = 256  # the tiny test checkpoint's
 MAX_TOKENS = 10
 STEMS = [(), (31, 32, 33, 34, 35, 36, 37, 38), (31, 32, 33, 34, 40, 41)]  # shared prefixes (block sizes 2 and 4)
+pytestmark = pytest.mark.usefixtures("one_thread")
 FAST_START = {"prepack": False, "fused_ops": False}  # skip weight packing: many small engines are built
 
 
@@ -209,16 +209,6 @@ def machine_for(cache: str, scheduler: str, chunked_prefill: bool, ckpt: Path, r
         "seen": dict.fromkeys(["rejected", "aborted", "finished", "preempted", "prefix_hit_tokens", "queued_with_free_slots",
                                "steps"], 0),
     })
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tiny model's steps are microseconds of math: on a shared 2-core machine a second
-    intra-op thread only adds synchronisation (measured 3-7x slower per step under load)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
