@@ -40,6 +40,7 @@ from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, SequenceStatus
 from engine.skinny_gemm import SkinnyGemm
+from engine.step_shape import StepShape
 from engine.stop_strings import find_stop_string
 from engine.tokenizer import Message, encode_chat, encode_prompt, load_tokenizer, require_tokenizer
 from engine.interfaces.scheduler import SchedulerOutput, SchedulerStalled
@@ -160,10 +161,8 @@ class LLM:
         self.fused = self.apply_fused_ops(fused_ops)
         self.kept_freed_memory = self.apply_keep_freed_memory(keep_freed_memory)
         mc: ModelConfig = self.model_config
-        self.cache = instantiate_strategy(cfg.cache)
-        self.cache.bind_model_limits(mc.max_model_len)
+        self.build_scheduling(cfg)
         self.cache.allocate_tensors(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, self.dtype, self.device)
-        self.scheduler = instantiate_strategy(cfg.scheduler, cache=self.cache, max_model_len=mc.max_model_len)
         self.attention = instantiate_strategy(cfg.attention)
         self.runner = ModelRunner(self.model, self.cache, self.attention, self.device)
         if cuda_graphs and self.device.type == "cuda":
@@ -175,6 +174,15 @@ class LLM:
                 max_context=min(mc.max_model_len, self.cache.max_tokens_per_seq()),
             )
         self.sampler = Sampler(cfg.seed)
+
+    def build_scheduling(self, cfg: DictConfig) -> None:
+        """The model-independent half of the engine: cache and scheduler from ``cfg.cache`` /
+        ``cfg.scheduler`` (Hydra instantiate), the step records and the per-request bookkeeping. Needs
+        ``self.model_config``; the simulator (``simulator/``) builds on this alone."""
+        mc: ModelConfig = self.model_config
+        self.cache = instantiate_strategy(cfg.cache)
+        self.cache.bind_model_limits(mc.max_model_len)
+        self.scheduler = instantiate_strategy(cfg.scheduler, cache=self.cache, max_model_len=mc.max_model_len)
         self.step_records: list[StepRecord] = []
         self.request_counter = itertools.count()
         self.cache_stats_so_far = self.cache.stats()  # cumulative counters at the last step record
@@ -324,10 +332,7 @@ class LLM:
             return outputs + self.fail_step(plan, error)
         now = self.clock()
 
-        num_decode_tokens = sum(
-            1 for item in plan.scheduled
-            if not item.is_padding and item.seq.num_output_tokens > 0 and item.seq.num_uncomputed_tokens == 1
-        )
+        shape = StepShape.of(plan.scheduled)
         for item in plan.scheduled:
             if not item.is_padding:
                 item.seq.num_computed_tokens += item.num_new_tokens
@@ -335,7 +340,7 @@ class LLM:
         sampled = [(item.seq, token) for item, token in zip(inputs.sampled, next_tokens) if not item.is_padding]
         advanced = [seq for seq, _ in sampled]
         finished = [seq for seq, token in sampled if self.append_token(seq, token, now)]
-        self.record_step(plan, start, num_decode_tokens)
+        self.record_step(plan, start, shape)
         self.scheduler.retire(finished)
         for seq in finished:
             del self.requests[seq.seq_id]
@@ -399,11 +404,10 @@ class LLM:
         self.finish(seq, seq.finish_reason, now)
         return True
 
-    def record_step(self, plan: SchedulerOutput, start: float, num_decode_tokens: int) -> None:
+    def record_step(self, plan: SchedulerOutput, start: float, shape: StepShape) -> None:
         stats = self.cache.stats()
         end = self.clock()
         before, self.cache_stats_so_far = self.cache_stats_so_far, stats
-        num_wasted = plan.num_wasted_slots
         self.step_records.append(
             StepRecord(
                 step=len(self.step_records),
@@ -411,9 +415,9 @@ class LLM:
                 end_time=end,
                 duration_s=end - start,
                 num_seqs=len(plan.scheduled),
-                num_prefill_tokens=plan.num_batched_tokens - num_decode_tokens - num_wasted,
-                num_decode_tokens=num_decode_tokens,
-                num_wasted_slots=num_wasted,
+                num_prefill_tokens=shape.num_prefill_tokens,
+                num_decode_tokens=shape.num_decode_tokens,
+                num_wasted_slots=shape.num_wasted_slots,
                 kv_used_tokens=stats.used_tokens,
                 kv_reserved_tokens=stats.reserved_tokens,
                 kv_capacity_tokens=stats.capacity_tokens,
@@ -427,6 +431,9 @@ class LLM:
                 swap_out_bytes=stats.swap_out_bytes - before.swap_out_bytes,
                 swap_in_bytes=stats.swap_in_bytes - before.swap_in_bytes,
                 swap_time_s=stats.swap_time_s - before.swap_time_s,
+                num_sampled=shape.num_sampled,
+                context_tokens=shape.context_tokens,
+                attention_pairs=shape.attention_pairs,
             )
         )
 

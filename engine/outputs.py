@@ -86,6 +86,10 @@ class StepRecord:
             step (``preemption_mode=swap``; 0 otherwise).
         swap_out_bytes / swap_in_bytes: the same in bytes (K and V, all layers).
         swap_time_s: seconds of this step spent copying swapped blocks (inside ``duration_s``).
+        num_sampled: rows whose logits the step computed (the LM head's rows).
+        context_tokens: keys read by attention, summed over the step's sequences (KV read).
+        attention_pairs: causal query-key pairs of the step (the quadratic prefill term);
+            see :mod:`engine.step_shape`. ``None`` where an engine does not know them (peers).
     """
 
     step: int
@@ -109,3 +113,6 @@ class StepRecord:
     swap_out_bytes: int = 0
     swap_in_bytes: int = 0
     swap_time_s: float = 0.0
+    num_sampled: int | None = None
+    context_tokens: int | None = None
+    attention_pairs: int | None = None

@@ -43,15 +43,24 @@ class JobOutcome:
 def run_labels(cfg: DictConfig, choices: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """What identifies a run in tables: group choices, the common swept knobs, the overrides."""
     labels: dict[str, Any] = {group: choices.get(group) for group in LABEL_GROUPS}
-    if labels["engine"] != "servelab":  # HF peers ignore servelab's strategy groups
+    if labels["engine"] not in ("servelab", "servelab_http", "simulated"):  # peers and remote servers ignore servelab's strategy groups
         labels.update(cache=None, scheduler=None, attention=None)
-    labels["concurrency"] = OmegaConf.select(cfg, "workload.concurrency", default=None)
+    if labels["engine"] == "simulated":  # the simulator has no attention backend
+        labels["attention"] = None
+    # users in flight: the workload's concurrency cap, its number of users (shared_prefix), or the client-side cap
+    labels["concurrency"] = (
+        OmegaConf.select(cfg, "workload.concurrency", default=None)
+        or OmegaConf.select(cfg, "workload.num_users", default=None)
+        or OmegaConf.select(cfg, "driver.max_concurrency", default=None)
+    )
     labels["block_size"] = OmegaConf.select(cfg, "cache.block_size", default=None)
     labels["capacity_tokens"] = OmegaConf.select(cfg, "cache.capacity_tokens", default=None)
     labels["max_num_seqs"] = OmegaConf.select(cfg, "scheduler.max_num_seqs", default=None)
     labels["device"] = cfg.get("device")
     labels["dtype"] = cfg.get("dtype")
     labels["seed"] = cfg.get("seed")
+    if labels["engine"] == "simulated":
+        labels["hardware"] = choices.get("hardware")
     labels["overrides"] = " ".join(overrides)
     return labels
 
@@ -64,13 +73,21 @@ def _measure(cfg: DictConfig, out_dir: Path, summary: dict[str, Any]) -> list[Pa
     engine = instantiate(cfg.engine)(cfg)
     try:
         model_config = engine.model_config
+        if hasattr(engine, "describe"):  # the simulator: what its times are (projected or calibrated)
+            summary["simulation"] = engine.describe()
+            summary["run"]["timing"] = summary["simulation"]["timing"]
         tokenizer = getattr(engine, "tokenizer", None)
         special = special_token_ids(model_config, tokenizer)
         requests = instantiate(cfg.workload, vocab_size=model_config.vocab_size, special_token_ids=special)
         requests = tokenize_requests(requests, tokenizer)
-        warm_up(engine, warmup_requests(model_config.vocab_size, special, cfg.driver.warmup_requests))
-        summary["setup_s"] = time.perf_counter() - setup_start
-        result = drive(engine, requests, cfg.driver.max_concurrency, progress=cfg.driver.progress)
+        warmup = warmup_requests(model_config.vocab_size, special, cfg.driver.warmup_requests)
+        if hasattr(engine, "drive"):  # HTTP load clients send the workload themselves (experiments/http_engines.py)
+            summary["setup_s"] = time.perf_counter() - setup_start
+            result = engine.drive(requests, cfg.driver.max_concurrency, warmup, progress=cfg.driver.progress)
+        else:
+            warm_up(engine, warmup)
+            summary["setup_s"] = time.perf_counter() - setup_start
+            result = drive(engine, requests, cfg.driver.max_concurrency, progress=cfg.driver.progress)
     finally:
         close = getattr(engine, "close", None)
         if close is not None:
@@ -84,7 +101,11 @@ def _measure(cfg: DictConfig, out_dir: Path, summary: dict[str, Any]) -> list[Pa
         **step_metrics(result.steps),
         **queueing_metrics(result.records, result.steps),
         **priority_class_metrics(result.records),
+        **result.extra_metrics,
     }
+    if result.failures:
+        summary["failures"] = result.failures
+    files.extend(write_json(content, out_dir / name) for name, content in result.extra_json.items())
     request_table, step_table = requests_frame(result.records, slo), steps_frame(result.steps)
     files.append(write_csv(request_table, out_dir / "requests.csv"))
     files.append(write_csv(step_table, out_dir / "steps.csv"))

@@ -35,6 +35,7 @@ STEP_COLUMNS = [
     "num_wasted_slots", "kv_used_tokens", "kv_reserved_tokens", "kv_capacity_tokens", "num_preempted",
     "prefix_hit_tokens", "num_waiting", "num_running", "forward_passes",
     "swap_out_blocks", "swap_in_blocks", "swap_out_bytes", "swap_in_bytes", "swap_time_s",
+    "num_sampled", "context_tokens", "attention_pairs",
 ]
 
 
@@ -132,8 +133,10 @@ def summary_table(summary: dict[str, Any]) -> str:
 
 def summary_markdown(summary: dict[str, Any]) -> str:
     run = summary.get("run", {})
-    title = " · ".join(f"{k}={v}" for k, v in run.items() if k in ("engine", "model", "cache", "scheduler", "attention", "workload"))
+    title = " · ".join(f"{k}={v}" for k, v in run.items() if k in ("engine", "model", "cache", "scheduler", "attention", "workload", "hardware"))
     parts = [f"# servelab run: {title}", ""]
+    if summary.get("simulation"):
+        parts += [f"**Simulated**: times are {summary['simulation']['timing']}.", ""]
     if summary.get("status") != "ok":
         parts += [f"**FAILED**: `{summary.get('error')}`", ""]
     parts += [summary_table(summary), ""]

@@ -20,6 +20,7 @@ Generators are picked by ``conf/workload/*.yaml`` through ``_target_`` and calle
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -231,13 +232,21 @@ def poisson(
     ignore_eos: bool = True,
     temperature: float = 0.0,
     interactive_fraction: float = 0.0,
+    system_prompt_len: int = 0,
 ) -> list[WorkloadRequest]:
-    """Open-loop arrivals at ``rate`` req/s with gamma ``burstiness`` (see :func:`gamma_arrival_offsets`);
-    ``interactive_fraction`` > 0 splits them into priority classes (:func:`with_priority_classes`)."""
+    """Open-loop arrivals at ``rate`` req/s with gamma ``burstiness`` (see :func:`gamma_arrival_offsets`).
+
+    ``interactive_fraction`` > 0 splits them into priority classes (:func:`with_priority_classes`).
+    ``system_prompt_len > 0`` puts one shared system prompt of that many tokens (its own seeded
+    stream: the rest of every request is unchanged) in front of every prompt, for prefix caching.
+    """
     sampler = TokenSampler(vocab_size, special_token_ids, seed)
     offsets = gamma_arrival_offsets(num_requests, rate, burstiness, np.random.default_rng([seed, 1]))
     requests = uneven_requests(sampler, offsets, (min_prompt_len, max_prompt_len), (min_max_tokens, max_max_tokens),
                                ignore_eos, temperature)
+    if system_prompt_len > 0:
+        system = TokenSampler(vocab_size, special_token_ids, seed + 1_000_003).tokens(system_prompt_len)
+        requests = [dataclasses.replace(r, prompt_token_ids=system + r.prompt_token_ids) for r in requests]
     return with_priority_classes(requests, interactive_fraction, seed)
 
 

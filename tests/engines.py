@@ -11,7 +11,8 @@ from engine.config import engine_config
 
 def build_engine(ckpt: Path, cache: str, scheduler: str, attention: str = "torch_sdpa",
                  cache_options: dict[str, Any] | None = None, scheduler_options: dict[str, Any] | None = None,
-                 seed: int = 0) -> LLM:
+                 seed: int = 0, **performance: Any) -> LLM:
+    """``performance``: ``LLM.from_config``'s options (``prepack=False, fused_ops=False`` start fastest)."""
     cfg = engine_config(str(ckpt), cache, scheduler, attention, "cpu", "float32", "random", seed,
                         cache_options=cache_options or {}, scheduler_options=scheduler_options or {})
-    return LLM.from_config(cfg)
+    return LLM.from_config(cfg, **performance)

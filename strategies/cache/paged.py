@@ -154,8 +154,15 @@ class PagedCache:
     def on_tokens_computed(self, seq: Sequence) -> None:
         return None
 
+    #: whether two live sequences can hold the same block (the prefix cache); without sharing,
+    #: stats() sums per sequence instead of walking every block (it runs once per engine step)
+    shares_blocks = False
+
     def stats(self) -> CacheStats:
-        used, reserved = used_and_reserved_tokens(self.live_seqs.values(), self.block_size)
+        if self.shares_blocks:
+            used, reserved = used_and_reserved_tokens(self.live_seqs.values(), self.block_size)
+        else:
+            used, reserved = private_used_and_reserved_tokens(self.live_seqs.values(), self.block_size)
         swap = self.swap_space
         return CacheStats(
             used_tokens=used,
@@ -185,3 +192,14 @@ def used_and_reserved_tokens(seqs, block_size: int) -> tuple[int, int]:
             if filled > filled_per_block.get(block, -1):
                 filled_per_block[block] = filled
     return sum(filled_per_block.values()), len(filled_per_block) * block_size
+
+
+def private_used_and_reserved_tokens(seqs, block_size: int) -> tuple[int, int]:
+    """:func:`used_and_reserved_tokens` for sequences that share no block: per sequence, the
+    computed tokens its blocks hold and the slots of its blocks."""
+    used = reserved = 0
+    for seq in seqs:
+        slots = len(seq.block_table) * block_size
+        used += min(seq.num_computed_tokens, slots)
+        reserved += slots
+    return used, reserved

@@ -126,6 +126,8 @@ class PrefixCache(PagedCache):
         capacity_tokens: KV budget in tokens; the pool has ``capacity_tokens // block_size`` blocks.
     """
 
+    shares_blocks = True  # stats() counts a shared block once
+
     def __init__(self, block_size: int = 16, capacity_tokens: int = 16384) -> None:
         super().__init__(block_size=block_size, capacity_tokens=capacity_tokens)
         self.pool: CachingBlockPool = CachingBlockPool(self.num_blocks)  # replaces the plain pool

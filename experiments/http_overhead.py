@@ -1,0 +1,63 @@
+"""What the HTTP layer costs: the same configuration in-process and over HTTP, side by side.
+
+A sweep that runs ``engine=servelab`` (the in-process driver) and ``engine=servelab_http`` (the
+same strategy behind ``serve.py``, measured by the HTTP load client) over otherwise identical
+configurations gets one row per configuration: median output tok/s and TTFT p50/p99 of each
+(medians over interleaved repeats, ``+repeat=...``), and HTTP / in-process ratios (tok/s: 1.0
+means the server costs nothing; TTFT: 1.0 means no added latency). Written as
+``http_vs_inprocess.md/.csv`` at the end of the sweep (Hydra callback), or rebuilt with
+``python -m experiments.http_overhead <sweep dir>``.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+from omegaconf import DictConfig
+
+from experiments.report import ReportCallback, axis_columns, collect, markdown_table
+from experiments.results import unique_path
+
+IN_PROCESS, OVER_HTTP = "servelab", "servelab_http"
+METRICS = {"output_throughput": "tok/s", "ttft_s_p50": "TTFT p50 (s)", "ttft_s_p99": "TTFT p99 (s)"}
+
+
+def overhead_table(frame: pd.DataFrame) -> pd.DataFrame:
+    """One row per configuration (every varying axis but the engine and the repeat label)."""
+    done = frame[(frame["status"] == "ok") & frame["engine"].isin([IN_PROCESS, OVER_HTTP])]
+    keys = [c for c in axis_columns(frame) if c not in ("engine", "override:engine", "override:repeat")]
+    rows: list[dict[str, Any]] = []
+    for key, group in (done.groupby(keys, sort=True, dropna=False) if keys else [((), done)]):
+        row: dict[str, Any] = dict(zip(keys, key if isinstance(key, tuple) else (key,)))
+        medians = group.groupby("engine")[list(METRICS)].median()
+        runs = group.groupby("engine").size()
+        for engine, tag in ((IN_PROCESS, "in-process"), (OVER_HTTP, "HTTP")):
+            row[f"{tag} runs"] = int(runs.get(engine, 0))
+            for metric, label in METRICS.items():
+                row[f"{tag} {label}"] = medians.at[engine, metric] if engine in medians.index else None
+        if {IN_PROCESS, OVER_HTTP} <= set(medians.index):
+            row["HTTP / in-process tok/s"] = medians.at[OVER_HTTP, "output_throughput"] / medians.at[IN_PROCESS, "output_throughput"]
+            row["HTTP / in-process TTFT p50"] = medians.at[OVER_HTTP, "ttft_s_p50"] / medians.at[IN_PROCESS, "ttft_s_p50"]
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def write_overhead_table(root: Path) -> str:
+    table = overhead_table(collect(root))
+    table.to_csv(unique_path(root / "http_vs_inprocess.csv"), index=False)
+    text = markdown_table(table, list(table.columns))
+    unique_path(root / "http_vs_inprocess.md").write_text(text + "\n")
+    return text
+
+
+class HTTPOverheadCallback(ReportCallback):
+    """Hydra callback: the in-process vs HTTP table in the sweep folder when the multirun ends."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        print(write_overhead_table(Path(config.hydra.sweep.dir)))
+
+
+if __name__ == "__main__":
+    print(write_overhead_table(Path(sys.argv[1])))
