@@ -87,9 +87,11 @@ def engine_decode_steps(model: str, users: int, shared_tokens: int, own_tokens: 
         for name in names:
             llms[name].step()
             record = llms[name].step_records[-1]
-            assert record.num_prefill_tokens == 0 and record.num_seqs == users, record
+            if record.num_prefill_tokens or record.num_seqs != users:
+                raise RuntimeError(f"expected a decode step of {users} users, got {record}")
             times[name].append(record.duration_s)
-    assert llms["cpu_paged_cascade"].attention.stats.cascade_calls > 0 or users < 2
+    if users >= 2 and not llms["cpu_paged_cascade"].attention.stats.cascade_calls:
+        raise RuntimeError("the cascade path never ran: the users do not share prefix blocks")
     return times
 
 
