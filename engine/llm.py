@@ -439,7 +439,7 @@ class LLM:
                 swap_time_s=stats.swap_time_s - before.swap_time_s,
                 num_sampled=shape.num_sampled,
                 context_tokens=shape.context_tokens,
-                attention_pairs=shape.attention_pairs,
+                prefill_attention_pairs=shape.prefill_attention_pairs,
             )
         )
 
