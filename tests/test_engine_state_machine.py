@@ -224,9 +224,12 @@ def test_engine_state_machine(tiny_llama_ckpt, reference, cache, scheduler, chun
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
     ))
     seen = machine.seen
-    print(machine.__name__, seen)
-    # the runs really exercised what the properties are about
-    assert seen["finished"] > 0 and seen["rejected"] > 0 and seen["aborted"] > 0 and seen["queued_with_free_slots"] > 0
-    # a contiguous region is reserved whole at admission: nothing ever runs dry, so nothing is preempted
-    assert (seen["preempted"] > 0) == (scheduler == "preemptive" and cache != "contiguous")
-    assert (seen["prefix_hit_tokens"] > 0) == (cache == "prefix")
+    print(machine.__name__, seen)  # how much pressure the drawn runs produced (-s shows it)
+    # the runs were not vacuous: requests finished, were refused and were aborted. Whether the
+    # drawn pools also preempted or queued varies with the draws; tests/test_pressure_parity.py
+    # asserts those deterministically. Preemption and prefix hits never happen where they cannot:
+    assert seen["finished"] > 0 and seen["rejected"] > 0 and seen["aborted"] > 0
+    if scheduler != "preemptive" or cache == "contiguous":  # a contiguous region never runs dry
+        assert seen["preempted"] == 0
+    if cache != "prefix":
+        assert seen["prefix_hit_tokens"] == 0
