@@ -15,6 +15,7 @@ import torch
 import yaml
 
 from engine import LLM, SamplingParams
+from engine.config import engine_config
 from engine.loader import load_model
 from engine.tokenizer import encode_chat
 from test_model_parity import our_prefill_logits
@@ -133,7 +134,7 @@ def test_incremental_detokenization_of_real_outputs(real_llm, hf_greedy_with_eos
 
 
 STRATEGIES = [
-    ("contiguous", "static", "eager", {"capacity_tokens": 16384}),  # regions of max_model_len (8,192): two at a time
+    ("contiguous", "static", "eager", {"capacity_tokens": 512, "reserve": "request"}),  # one static batch of 4 regions
     ("prefix", "preemptive", "cpu_paged", {"capacity_tokens": 128}),  # squeezed: preempts; the system prompt is shared
     pytest.param("paged", "continuous", "triton_paged", {"capacity_tokens": 2048},
                  marks=pytest.mark.slow(reason="Triton interpreter on the CPU: minutes for a 30-layer model")),
@@ -148,8 +149,9 @@ def test_strategies_say_the_same_thing(real_ckpt, real_prompts, hf_greedy_with_e
     torch_sdpa) is ``real_llm``, checked against HF above."""
     if attention == "triton_paged" and not triton_available:
         pytest.skip("triton is not installed")
-    llm = LLM(model=str(real_ckpt), cache=cache, scheduler=scheduler, attention=attention, device="cpu",
-              block_size=16, max_num_seqs=4, **options)
+    cfg = engine_config(str(real_ckpt), cache, scheduler, attention, "cpu", "float32", None, 0,
+                        cache_options={"block_size": 16, **options}, scheduler_options={"max_num_seqs": 4})
+    llm = LLM.from_config(cfg)
     chats = real_prompts[: len(QUESTIONS)]
     params = SamplingParams(max_tokens=MAX_TOKENS)
     outputs = llm.generate(chats, params)
