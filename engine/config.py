@@ -9,6 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
@@ -61,15 +63,27 @@ def engine_config(
     seed: int,
     cache_options: dict[str, Any],
     scheduler_options: dict[str, Any],
+    attention_options: dict[str, Any] | None = None,
 ) -> DictConfig:
     return OmegaConf.create(
         {
             "model": model_node(model, weights),
             "cache": load_group_option("cache", cache, cache_options),
             "scheduler": load_group_option("scheduler", scheduler, scheduler_options),
-            "attention": load_group_option("attention", attention, {}),
+            "attention": load_group_option("attention", attention, attention_options or {}),
             "device": device,
             "dtype": dtype,
             "seed": seed,
         }
     )
+
+
+def instantiate_strategy(node: DictConfig, **kwargs: Any) -> Any:
+    """``hydra.utils.instantiate(node, **kwargs)``, re-raising a strategy's own ``ValueError``
+    (bad option values) as itself rather than wrapped in Hydra's ``InstantiationException``."""
+    try:
+        return instantiate(node, **kwargs)
+    except InstantiationException as error:
+        if isinstance(error.__cause__, ValueError):
+            raise error.__cause__ from None
+        raise

@@ -20,13 +20,13 @@ import time
 import warnings
 from collections.abc import Mapping
 from collections.abc import Sequence as SequenceOf
+from typing import Any
 
 import torch
-from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from engine import host_memory
-from engine.config import engine_config
+from engine.config import engine_config, instantiate_strategy
 from engine.detokenizer import IncrementalDetokenizer
 from engine.device import resolve_device, resolve_dtype
 from engine.fused_ops import FusedOps
@@ -40,6 +40,7 @@ from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, SequenceStatus
 from engine.skinny_gemm import SkinnyGemm
+from engine.step_shape import StepShape
 from engine.stop_strings import find_stop_string
 from engine.tokenizer import Message, encode_chat, encode_prompt, load_tokenizer, require_tokenizer
 from engine.interfaces.scheduler import SchedulerOutput, SchedulerStalled
@@ -69,6 +70,9 @@ class LLM:
         dtype: ``float32``, ``bfloat16``, ``float16`` or ``auto``.
         block_size, capacity_tokens: cache options (``None`` keeps the YAML default).
         max_num_seqs, max_num_batched_tokens, chunked_prefill: scheduler options.
+        scheduler_options / attention_options: any other option of the chosen YAML, by name
+            (e.g. ``{"policy": "priority"}``, ``{"preemption_mode": "swap", "swap_space_tokens": 4096}``);
+            ``ValueError`` for an option the strategy does not have.
         weights: ``random`` (seeded random weights, built once and cached), ``pretrained``, or
             ``None`` (the named model's own setting).
         seed: seeds the sampler's shared generator.
@@ -111,6 +115,8 @@ class LLM:
         cuda_graphs: bool = False,
         fused_ops: bool | str = "auto",
         keep_freed_memory: bool | str = "auto",
+        scheduler_options: dict[str, Any] | None = None,
+        attention_options: dict[str, Any] | None = None,
     ) -> None:
         cfg = engine_config(
             model, cache, scheduler, attention, device, dtype, weights, seed,
@@ -119,7 +125,9 @@ class LLM:
                 "max_num_seqs": max_num_seqs,
                 "max_num_batched_tokens": max_num_batched_tokens,
                 "chunked_prefill": chunked_prefill,
+                **(scheduler_options or {}),
             },
+            attention_options=attention_options or {},
         )
         self.build(cfg, prepack=prepack, cuda_graphs=cuda_graphs, fused_ops=fused_ops,
                    keep_freed_memory=keep_freed_memory)
@@ -153,11 +161,8 @@ class LLM:
         self.fused = self.apply_fused_ops(fused_ops)
         self.kept_freed_memory = self.apply_keep_freed_memory(keep_freed_memory)
         mc: ModelConfig = self.model_config
-        self.cache = instantiate(cfg.cache)
-        self.cache.bind_model_limits(mc.max_model_len)
-        self.cache.allocate_tensors(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, self.dtype, self.device)
-        self.scheduler = instantiate(cfg.scheduler, cache=self.cache, max_model_len=mc.max_model_len)
-        self.attention = instantiate(cfg.attention)
+        self.build_scheduling(cfg, allocate_kv=True)
+        self.attention = instantiate_strategy(cfg.attention)
         self.runner = ModelRunner(self.model, self.cache, self.attention, self.device)
         if cuda_graphs and self.device.type == "cuda":
             from engine.cuda_graphs import DecodeGraphs
@@ -168,9 +173,22 @@ class LLM:
                 max_context=min(mc.max_model_len, self.cache.max_tokens_per_seq()),
             )
         self.sampler = Sampler(cfg.seed)
+
+    def build_scheduling(self, cfg: DictConfig, allocate_kv: bool) -> None:
+        """The model-independent half of the engine: cache and scheduler from ``cfg.cache`` /
+        ``cfg.scheduler`` (Hydra instantiate), the step records and the per-request bookkeeping. Needs
+        ``self.model_config``; the simulator (``simulator/``) builds on this alone, without KV tensors
+        (``allocate_kv=False``). The tensors exist before the scheduler is built: swap preemption
+        sizes its host pool from them."""
+        mc: ModelConfig = self.model_config
+        self.cache = instantiate_strategy(cfg.cache)
+        self.cache.bind_model_limits(mc.max_model_len)
+        if allocate_kv:
+            self.cache.allocate_tensors(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, self.dtype, self.device)
+        self.scheduler = instantiate_strategy(cfg.scheduler, cache=self.cache, max_model_len=mc.max_model_len)
         self.step_records: list[StepRecord] = []
         self.request_counter = itertools.count()
-        self.prefix_hits_so_far = 0
+        self.cache_stats_so_far = self.cache.stats()  # cumulative counters at the last step record
         # Live requests by id (queued, running, preempted), and aborts to apply at the next step.
         self.requests: dict[int, Sequence] = {}
         self.pending_aborts: list[int] = []
@@ -317,10 +335,7 @@ class LLM:
             return outputs + self.fail_step(plan, error)
         now = self.clock()
 
-        num_decode_tokens = sum(
-            1 for item in plan.scheduled
-            if not item.is_padding and item.seq.num_output_tokens > 0 and item.seq.num_uncomputed_tokens == 1
-        )
+        shape = StepShape.of(plan.scheduled)
         for item in plan.scheduled:
             if not item.is_padding:
                 item.seq.num_computed_tokens += item.num_new_tokens
@@ -328,7 +343,7 @@ class LLM:
         sampled = [(item.seq, token) for item, token in zip(inputs.sampled, next_tokens) if not item.is_padding]
         advanced = [seq for seq, _ in sampled]
         finished = [seq for seq, token in sampled if self.append_token(seq, token, now)]
-        self.record_step(plan, start, num_decode_tokens)
+        self.record_step(plan, start, shape)
         self.scheduler.retire(finished)
         for seq in finished:
             del self.requests[seq.seq_id]
@@ -372,32 +387,33 @@ class LLM:
     def append_token(self, seq: Sequence, token: int, now: float) -> bool:
         """Append a sampled token (and its text); returns True if the sequence just finished.
 
-        It finishes with ``"stop"`` at EOS (unless ``ignore_eos``), a stop token or a stop string
-        (the text is cut where the stop string begins), else with ``"length"`` at ``max_tokens``.
+        It finishes with ``"stop"`` at a stop string (the text is cut where it begins), EOS (unless
+        ``ignore_eos``) or a stop token, else with ``"length"`` at ``max_tokens``; a finished
+        request's text releases any bytes held back (:meth:`IncrementalDetokenizer.flush`).
         """
         seq.token_ids.append(token)
         seq.token_times.append(now)
         params = seq.sampling_params
         new_text = seq.detokenizer.append(token) if seq.detokenizer is not None else ""
         stop_at = find_stop_string(seq.detokenizer.text, len(new_text), params.stop) if new_text and params.stop else None
-        if token in params.stop_token_ids or (not params.ignore_eos and token in self.model_config.eos_token_ids):
-            seq.finish_reason = "stop"
-        elif stop_at is not None:
+        if stop_at is not None:
             seq.detokenizer.truncate(stop_at)
-            seq.finish_reason = "stop"
+            reason = "stop"
+        elif token in params.stop_token_ids or (not params.ignore_eos and token in self.model_config.eos_token_ids):
+            reason = "stop"
         elif seq.num_output_tokens >= params.max_tokens:
-            seq.finish_reason = "length"
+            reason = "length"
         else:
             return False
-        self.finish(seq, seq.finish_reason, now)
+        if seq.detokenizer is not None and stop_at is None:
+            seq.detokenizer.flush()
+        self.finish(seq, reason, now)
         return True
 
-    def record_step(self, plan: SchedulerOutput, start: float, num_decode_tokens: int) -> None:
+    def record_step(self, plan: SchedulerOutput, start: float, shape: StepShape) -> None:
         stats = self.cache.stats()
         end = self.clock()
-        prefix_hits = stats.prefix_hit_tokens - self.prefix_hits_so_far
-        self.prefix_hits_so_far = stats.prefix_hit_tokens
-        num_wasted = plan.num_wasted_slots
+        before, self.cache_stats_so_far = self.cache_stats_so_far, stats
         self.step_records.append(
             StepRecord(
                 step=len(self.step_records),
@@ -405,17 +421,25 @@ class LLM:
                 end_time=end,
                 duration_s=end - start,
                 num_seqs=len(plan.scheduled),
-                num_prefill_tokens=plan.num_batched_tokens - num_decode_tokens - num_wasted,
-                num_decode_tokens=num_decode_tokens,
-                num_wasted_slots=num_wasted,
+                num_prefill_tokens=shape.num_prefill_tokens,
+                num_decode_tokens=shape.num_decode_tokens,
+                num_wasted_slots=shape.num_wasted_slots,
                 kv_used_tokens=stats.used_tokens,
                 kv_reserved_tokens=stats.reserved_tokens,
                 kv_capacity_tokens=stats.capacity_tokens,
                 num_preempted=len(plan.preempted),
-                prefix_hit_tokens=prefix_hits,
+                prefix_hit_tokens=stats.prefix_hit_tokens - before.prefix_hit_tokens,
                 num_waiting=self.scheduler.num_waiting,
                 num_running=self.scheduler.num_running,
                 forward_passes=1,
+                swap_out_blocks=stats.swap_out_blocks - before.swap_out_blocks,
+                swap_in_blocks=stats.swap_in_blocks - before.swap_in_blocks,
+                swap_out_bytes=stats.swap_out_bytes - before.swap_out_bytes,
+                swap_in_bytes=stats.swap_in_bytes - before.swap_in_bytes,
+                swap_time_s=stats.swap_time_s - before.swap_time_s,
+                num_sampled=shape.num_sampled,
+                context_tokens=shape.context_tokens,
+                prefill_attention_pairs=shape.prefill_attention_pairs,
             )
         )
 
@@ -488,5 +512,5 @@ class LLM:
     def free_blocks_check(self) -> None:
         """Assert no KV memory is held (call when ``has_unfinished()`` is False)."""
         stats = self.cache.stats()
-        if stats.num_free_blocks != stats.num_blocks or stats.reserved_tokens:
+        if stats.num_free_blocks != stats.num_blocks or stats.reserved_tokens or stats.swap_used_blocks:
             raise AssertionError(f"KV leak: {stats}")

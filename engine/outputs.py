@@ -82,6 +82,14 @@ class StepRecord:
         prefix_hit_tokens: prompt tokens whose prefill this step's admissions skipped.
         num_waiting / num_running: queue and running set after scheduling.
         forward_passes: model forward passes in the step (1 when anything ran).
+        swap_out_blocks / swap_in_blocks: KV blocks copied to / back from host swap space in this
+            step (``preemption_mode=swap``; 0 otherwise).
+        swap_out_bytes / swap_in_bytes: the same in bytes (K and V, all layers).
+        swap_time_s: seconds of this step spent copying swapped blocks (inside ``duration_s``).
+        num_sampled: rows whose logits the step computed (the LM head's rows).
+        context_tokens: keys read by attention, summed over the step's sequences (KV read).
+        prefill_attention_pairs: causal query-key pairs of the step's prompt / chunk rows (the quadratic prefill term);
+            see :mod:`engine.step_shape`. ``None`` where an engine does not know them (peers).
     """
 
     step: int
@@ -100,3 +108,11 @@ class StepRecord:
     num_waiting: int
     num_running: int
     forward_passes: int
+    swap_out_blocks: int = 0
+    swap_in_blocks: int = 0
+    swap_out_bytes: int = 0
+    swap_in_bytes: int = 0
+    swap_time_s: float = 0.0
+    num_sampled: int | None = None
+    context_tokens: int | None = None
+    prefill_attention_pairs: int | None = None

@@ -2,7 +2,8 @@
 
 Requests are submitted at their arrival times (``t0 + arrival_offset_s`` on the engine clock)
 through ``add_request``; between arrivals the engine ``step()``s; when the engine is idle and the
-next arrival is in the future, the driver sleeps until it. An optional client-side cap
+next arrival is in the future, the driver sleeps until it (an engine on a virtual clock, the
+simulator, has ``advance_clock_to`` and is advanced instead). An optional client-side cap
 (``max_concurrency``, like vLLM's ``vllm bench serve --max-concurrency``) keeps at most that
 many requests in flight.
 
@@ -114,12 +115,21 @@ def drive(
                         heapq.heappush(free_slots, output.finish_time if output.finish_time is not None else engine.clock())
                     bar.update(1)
             elif pending:
-                time.sleep(max(0.0, t0 + pending[0].arrival_offset_s - engine.clock()))
+                wait_until(engine, t0 + pending[0].arrival_offset_s)
     finally:
         bar.close()
     wall = engine.clock() - t0
     ordered = [records[r.request_id] for r in requests if r.request_id in records]
     return DriveResult(records=ordered, steps=_relative_steps(list(engine.step_records)[first_step:], t0), t0=t0, wall_s=wall)
+
+
+def wait_until(engine: ServingEngine, time_s: float) -> None:
+    """Idle until ``time_s`` on the engine clock: sleep, or advance a virtual clock (the simulator)."""
+    advance = getattr(engine, "advance_clock_to", None)
+    if advance is not None:
+        advance(time_s)
+    else:
+        time.sleep(max(0.0, time_s - engine.clock()))
 
 
 def warm_up(engine: ServingEngine, requests: Sequence[WorkloadRequest]) -> None:

@@ -18,7 +18,7 @@ import pandas as pd
 from omegaconf import DictConfig
 
 from experiments.report import ReportCallback, axis_columns, collect, markdown_table
-from experiments.results import unique_path
+from experiments.results import write_csv, write_text_file
 
 IN_PROCESS, OVER_HTTP = "servelab", "servelab_http"
 METRICS = {"output_throughput": "tok/s", "ttft_s_p50": "TTFT p50 (s)", "ttft_s_p99": "TTFT p99 (s)"}
@@ -48,9 +48,9 @@ def overhead_table(frame: pd.DataFrame) -> pd.DataFrame:
 
 def write_overhead_table(root: Path) -> str:
     table = overhead_table(collect(root))
-    table.to_csv(unique_path(root / "http_vs_inprocess.csv"), index=False)
+    write_csv(table, root / "http_vs_inprocess.csv")
     text = markdown_table(table, list(table.columns))
-    unique_path(root / "http_vs_inprocess.md").write_text(text + "\n")
+    write_text_file(text + "\n", root / "http_vs_inprocess.md")
     return text
 
 

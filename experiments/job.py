@@ -17,11 +17,13 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.driver import drive, warm_up
-from experiments.metrics import SLO, queueing_metrics, request_metrics, step_metrics
+from experiments.environment import environment
+from experiments.metrics import SLO, priority_class_metrics, queueing_metrics, request_metrics, step_metrics
 from experiments.plots import plot_run
-from experiments.records import fill_texts
+from experiments.records import fill_priorities, fill_texts
 from experiments.results import (
-    requests_frame, sample_answers, steps_frame, summary_markdown, summary_table, unique_path, write_csv, write_json,
+    requests_frame, sample_answers, steps_frame, summary_markdown, summary_table, write_csv, write_file, write_json,
+    write_text_file,
 )
 from experiments.workloads import special_token_ids, tokenize_requests, warmup_requests
 
@@ -43,29 +45,39 @@ class JobOutcome:
 def run_labels(cfg: DictConfig, choices: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """What identifies a run in tables: group choices, the common swept knobs, the overrides."""
     labels: dict[str, Any] = {group: choices.get(group) for group in LABEL_GROUPS}
-    if labels["engine"] not in ("servelab", "servelab_http"):  # peers and remote servers ignore servelab's strategy groups
+    if labels["engine"] not in ("servelab", "servelab_http", "simulated"):  # peers and remote servers ignore servelab's strategy groups
         labels.update(cache=None, scheduler=None, attention=None)
-    # users in flight: the workload's concurrency cap, or its number of users (shared_prefix)
-    labels["concurrency"] = OmegaConf.select(cfg, "workload.concurrency", default=None) or \
-        OmegaConf.select(cfg, "workload.num_users", default=None)
+    if labels["engine"] == "simulated":  # the simulator has no attention backend
+        labels["attention"] = None
+    # users in flight: the workload's concurrency cap, its number of users (shared_prefix), or the client-side cap
+    labels["concurrency"] = (
+        OmegaConf.select(cfg, "workload.concurrency", default=None)
+        or OmegaConf.select(cfg, "workload.num_users", default=None)
+        or OmegaConf.select(cfg, "driver.max_concurrency", default=None)
+    )
     labels["block_size"] = OmegaConf.select(cfg, "cache.block_size", default=None)
     labels["capacity_tokens"] = OmegaConf.select(cfg, "cache.capacity_tokens", default=None)
     labels["max_num_seqs"] = OmegaConf.select(cfg, "scheduler.max_num_seqs", default=None)
     labels["device"] = cfg.get("device")
     labels["dtype"] = cfg.get("dtype")
     labels["seed"] = cfg.get("seed")
+    if labels["engine"] == "simulated":
+        labels["hardware"] = choices.get("hardware")
     labels["overrides"] = " ".join(overrides)
     return labels
 
 
 def _measure(cfg: DictConfig, out_dir: Path, summary: dict[str, Any]) -> list[Path]:
-    files = [unique_path(out_dir / "config.yaml")]
-    OmegaConf.save(cfg, files[0], resolve=True)
+    files = [write_file(out_dir / "config.yaml", lambda partial: OmegaConf.save(cfg, partial, resolve=True))]
     slo = SLO(**OmegaConf.to_container(cfg.slo, resolve=True))
     setup_start = time.perf_counter()
     engine = instantiate(cfg.engine)(cfg)
+    summary["environment"] = environment(engine)
     try:
         model_config = engine.model_config
+        if hasattr(engine, "describe"):  # the simulator: what its times are (projected or calibrated)
+            summary["simulation"] = engine.describe()
+            summary["run"]["timing"] = summary["simulation"]["timing"]
         tokenizer = getattr(engine, "tokenizer", None)
         special = special_token_ids(model_config, tokenizer)
         requests = instantiate(cfg.workload, vocab_size=model_config.vocab_size, special_token_ids=special)
@@ -83,12 +95,14 @@ def _measure(cfg: DictConfig, out_dir: Path, summary: dict[str, Any]) -> list[Pa
         if close is not None:
             close()
     fill_texts(result.records, requests, tokenizer)
+    fill_priorities(result.records, requests)
     summary["samples"] = sample_answers(result.records)
     summary["wall_s"] = result.wall_s
     summary["metrics"] = {
         **request_metrics(result.records, slo),
         **step_metrics(result.steps),
         **queueing_metrics(result.records, result.steps),
+        **priority_class_metrics(result.records),
         **result.extra_metrics,
     }
     if result.failures:
@@ -118,8 +132,6 @@ def execute(cfg: DictConfig, out_dir: Path, choices: dict[str, Any], overrides: 
         log.error("run failed: %s", summary["error"])
     summary["files"] = [p.name for p in files]
     files.append(write_json(summary, out_dir / "summary.json"))
-    markdown = unique_path(out_dir / "summary.md")
-    markdown.write_text(summary_markdown(summary))
-    files.append(markdown)
+    files.append(write_text_file(summary_markdown(summary), out_dir / "summary.md"))
     print(f"\n{summary_table(summary)}\n\nresults: {out_dir}")
     return JobOutcome(summary=summary, error=error, files=files)

@@ -252,4 +252,31 @@ def step_metrics(steps: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "step_time_s_mean": distribution(_column(steps, "duration_s"))["mean"],
         "decode_step_s_p50": _median([duration for _, duration in decode_points(steps)]),
         "decode_kv_tokens_p50": _median([kv for kv, _ in decode_points(steps)]),
+        # swap preemption (scheduler.preemption_mode=swap): host <-> KV-cache copies
+        "swap_out_blocks": _total(steps, "swap_out_blocks"),
+        "swap_in_blocks": _total(steps, "swap_in_blocks"),
+        "swap_out_bytes": _total(steps, "swap_out_bytes"),
+        "swap_in_bytes": _total(steps, "swap_in_bytes"),
+        "swap_time_s": float(sum(_column(steps, "swap_time_s"))) if _column(steps, "swap_time_s") else None,
     }
+
+
+def priority_class_metrics(records: Sequence[RequestRecord]) -> dict[str, Any]:
+    """Latency per priority class (``priority_<p>_ttft_s_p50`` ...), when a run has more than one class.
+
+    The point of a scheduling policy is who waits: under memory pressure ``priority`` should
+    cut the interactive class's TTFT at the batch class's expense, FCFS treats both alike.
+    """
+    classes = sorted({r.priority for r in records})
+    if len(classes) < 2:
+        return {}
+    metrics: dict[str, Any] = {}
+    for priority in classes:
+        members = [r for r in records if r.priority == priority]
+        prefix = f"priority_{priority}_"
+        metrics[prefix + "num_requests"] = len(members)
+        for name, values in (("ttft_s", [ttft(r) for r in members]), ("e2e_s", [e2e(r) for r in members]),
+                             ("queue_s", [queue_time(r) for r in members])):
+            stats = distribution(values)
+            metrics.update({f"{prefix}{name}_{stat}": stats[stat] for stat in ("p50", "p99")})
+    return metrics

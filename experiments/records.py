@@ -42,6 +42,8 @@ class RequestRecord:
         prompt_text: what the user wrote (a chat request's message) or, for token-id prompts,
             their decoded text ("" without a tokenizer).
         output_text: the generated text ("" without a tokenizer).
+        priority: its ``SamplingParams.priority`` (its class: the workload's ``interactive_fraction``
+            gives interactive requests one priority and batch requests another).
     """
 
     request_id: str
@@ -58,6 +60,7 @@ class RequestRecord:
     num_preemptions: int = 0
     finish_reason: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
+    priority: int = 0
     prompt_text: str = ""
     output_text: str = ""
 
@@ -98,6 +101,13 @@ def record_from_output(
         output_token_ids=list(output.token_ids),
         output_text=getattr(output, "text", "") or "",
     )
+
+
+def fill_priorities(records: list[RequestRecord], requests: Sequence[Any]) -> None:
+    """Set each record's ``priority`` from its workload request (matched by ``request_id``)."""
+    by_name = {request.request_id: request for request in requests}
+    for record in records:
+        record.priority = by_name[record.request_id].sampling_params.priority
 
 
 def fill_texts(records: list[RequestRecord], requests: Sequence[Any], tokenizer: Any | None) -> None:

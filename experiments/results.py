@@ -1,7 +1,8 @@
 """Write one run's result files (requests.csv, steps.csv, summary.json, summary.md).
 
-Column lists live here and are documented in docs/results_columns.md. No file is ever
-overwritten silently: if a name is taken, a warning is logged and ``name_1.ext``,
+Column lists live here and are documented in docs/results_columns.md. Every file is written
+crash-safely through :mod:`experiments.safe_files` (a temporary name, then an atomic link) and
+never overwritten silently: if a name is taken, a warning is logged and ``name_1.ext``,
 ``name_2.ext``... is written instead.
 """
 from __future__ import annotations
@@ -19,6 +20,7 @@ from experiments.metrics import (
     SLO, e2e, e2e_including_client_queue, itls, meets_slo, queue_time, tpot, ttft,
 )
 from experiments.records import RequestRecord
+from experiments.safe_files import unique_path, write_file, write_text_file  # noqa: F401 (unique_path: re-exported)
 
 log = logging.getLogger(__name__)
 
@@ -28,24 +30,15 @@ REQUEST_COLUMNS = [
     "queue_s", "ttft_s", "e2e_s", "tpot_s", "itl_mean_s", "itl_max_s",
     "client_queue_s", "e2e_including_client_queue_s",
     "num_cached_tokens", "num_preemptions", "finish_reason", "meets_slo", "output_token_ids",
-    "prompt_text", "output_text",
+    "prompt_text", "output_text", "priority",
 ]
 STEP_COLUMNS = [
     "step", "start_time", "end_time", "duration_s", "num_seqs", "num_prefill_tokens", "num_decode_tokens",
     "num_wasted_slots", "kv_used_tokens", "kv_reserved_tokens", "kv_capacity_tokens", "num_preempted",
     "prefix_hit_tokens", "num_waiting", "num_running", "forward_passes",
+    "swap_out_blocks", "swap_in_blocks", "swap_out_bytes", "swap_in_bytes", "swap_time_s",
+    "num_sampled", "context_tokens", "prefill_attention_pairs",
 ]
-
-
-def unique_path(path: Path) -> Path:
-    """``path`` if free, else the first free ``stem_<n>suffix`` (with a warning)."""
-    if not path.exists():
-        return path
-    n = 1
-    while (candidate := path.with_name(f"{path.stem}_{n}{path.suffix}")).exists():
-        n += 1
-    log.warning("%s exists; writing %s instead", path, candidate.name)
-    return candidate
 
 
 def requests_frame(records: Sequence[RequestRecord], slo: SLO) -> pd.DataFrame:
@@ -63,7 +56,7 @@ def requests_frame(records: Sequence[RequestRecord], slo: SLO) -> pd.DataFrame:
             "num_cached_tokens": r.num_cached_tokens, "num_preemptions": r.num_preemptions,
             "finish_reason": r.finish_reason, "meets_slo": meets_slo(r, slo),
             "output_token_ids": " ".join(map(str, r.output_token_ids)),
-            "prompt_text": r.prompt_text, "output_text": r.output_text,
+            "prompt_text": r.prompt_text, "output_text": r.output_text, "priority": r.priority,
         })
     return pd.DataFrame(rows, columns=REQUEST_COLUMNS)
 
@@ -72,10 +65,8 @@ def steps_frame(steps: Sequence[dict[str, Any]]) -> pd.DataFrame:
     return pd.DataFrame([{c: s.get(c) for c in STEP_COLUMNS} for s in steps], columns=STEP_COLUMNS)
 
 
-def write_csv(frame: pd.DataFrame, path: Path) -> Path:
-    path = unique_path(path)
-    frame.to_csv(path, index=False)
-    return path
+def write_csv(frame: pd.DataFrame, path: Path, replace: bool = False) -> Path:
+    return write_file(path, lambda partial: frame.to_csv(partial, index=False), replace=replace)
 
 
 def _json_safe(value: Any) -> Any:
@@ -91,9 +82,7 @@ def _json_safe(value: Any) -> Any:
 
 
 def write_json(data: dict[str, Any], path: Path) -> Path:
-    path = unique_path(path)
-    path.write_text(json.dumps(_json_safe(data), indent=2) + "\n")
-    return path
+    return write_text_file(json.dumps(_json_safe(data), indent=2) + "\n", path)
 
 
 def _fmt(value: Any) -> str:
@@ -116,6 +105,7 @@ SUMMARY_ROWS = [
     ("prefix hit tokens", "prefix_hit_tokens"), ("peak KV used (tok)", "peak_kv_used_tokens"),
     ("peak KV reserved (tok)", "peak_kv_reserved_tokens"), ("mean KV used/reserved", "mean_kv_used_reserved_ratio"),
     ("max running seqs", "max_running_seqs"),
+    ("swapped out (bytes)", "swap_out_bytes"), ("swapped in (bytes)", "swap_in_bytes"), ("swap copy time (s)", "swap_time_s"),
 ]
 
 
@@ -124,13 +114,16 @@ def summary_table(summary: dict[str, Any]) -> str:
     flat = {"status": summary.get("status"), **summary.get("metrics", {})}
     lines = ["| metric | value |", "| --- | --- |"]
     lines += [f"| {label} | {_fmt(flat.get(key))} |" for label, key in SUMMARY_ROWS if key in flat]
+    lines += [f"| {key} | {_fmt(value)} |" for key, value in flat.items() if key.startswith("priority_")]
     return "\n".join(lines)
 
 
 def summary_markdown(summary: dict[str, Any]) -> str:
     run = summary.get("run", {})
-    title = " · ".join(f"{k}={v}" for k, v in run.items() if k in ("engine", "model", "cache", "scheduler", "attention", "workload"))
+    title = " · ".join(f"{k}={v}" for k, v in run.items() if k in ("engine", "model", "cache", "scheduler", "attention", "workload", "hardware"))
     parts = [f"# servelab run: {title}", ""]
+    if summary.get("simulation"):
+        parts += [f"**Simulated**: times are {summary['simulation']['timing']}.", ""]
     if summary.get("status") != "ok":
         parts += [f"**FAILED**: `{summary.get('error')}`", ""]
     parts += [summary_table(summary), ""]

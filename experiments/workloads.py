@@ -20,6 +20,7 @@ Generators are picked by ``conf/workload/*.yaml`` through ``_target_`` and calle
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -109,6 +110,27 @@ def _params(max_tokens: int, ignore_eos: bool, temperature: float) -> SamplingPa
     return SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, temperature=temperature)
 
 
+def with_priority_classes(
+    requests: list[WorkloadRequest], interactive_fraction: float, seed: int,
+    interactive_priority: int = 0, batch_priority: int = 1,
+) -> list[WorkloadRequest]:
+    """Split requests into two classes for ``scheduler.policy=priority``: a seeded random
+    ``interactive_fraction`` of them (rounded) gets ``interactive_priority``, the rest
+    ``batch_priority`` (lower is served first). ``interactive_fraction=0`` leaves every request
+    at the default priority 0 (one class)."""
+    if not 0.0 <= interactive_fraction <= 1.0:
+        raise ValueError(f"interactive_fraction must be in [0, 1], got {interactive_fraction}")
+    if interactive_fraction == 0.0:
+        return requests
+    rng = np.random.default_rng([seed, 2])
+    interactive = set(rng.permutation(len(requests))[: round(interactive_fraction * len(requests))].tolist())
+    return [
+        replace(request, sampling_params=replace(
+            request.sampling_params, priority=interactive_priority if i in interactive else batch_priority))
+        for i, request in enumerate(requests)
+    ]
+
+
 def _name(index: int) -> str:
     return f"req-{index:04d}"
 
@@ -169,15 +191,18 @@ def burst(
     max_max_tokens: int = 64,
     ignore_eos: bool = True,
     temperature: float = 0.0,
+    interactive_fraction: float = 0.0,
 ) -> list[WorkloadRequest]:
     """``requests_per_slot * concurrency`` requests at t=0 with uneven prompts and lengths (mini-vllm's benchmark).
 
-    Prompt lengths and ``max_tokens`` are uniform integers in their (inclusive) ranges.
+    Prompt lengths and ``max_tokens`` are uniform integers in their (inclusive) ranges;
+    ``interactive_fraction`` > 0 splits them into priority classes (:func:`with_priority_classes`).
     """
     sampler = TokenSampler(vocab_size, special_token_ids, seed)
     offsets = [0.0] * (requests_per_slot * concurrency)
-    return uneven_requests(sampler, offsets, (min_prompt_len, max_prompt_len), (min_max_tokens, max_max_tokens),
-                           ignore_eos, temperature)
+    requests = uneven_requests(sampler, offsets, (min_prompt_len, max_prompt_len), (min_max_tokens, max_max_tokens),
+                               ignore_eos, temperature)
+    return with_priority_classes(requests, interactive_fraction, seed)
 
 
 def gamma_arrival_offsets(num_requests: int, rate: float, burstiness: float, rng: np.random.Generator) -> list[float]:
@@ -206,12 +231,23 @@ def poisson(
     max_max_tokens: int = 64,
     ignore_eos: bool = True,
     temperature: float = 0.0,
+    interactive_fraction: float = 0.0,
+    system_prompt_len: int = 0,
 ) -> list[WorkloadRequest]:
-    """Open-loop arrivals at ``rate`` req/s with gamma ``burstiness`` (see :func:`gamma_arrival_offsets`)."""
+    """Open-loop arrivals at ``rate`` req/s with gamma ``burstiness`` (see :func:`gamma_arrival_offsets`).
+
+    ``interactive_fraction`` > 0 splits them into priority classes (:func:`with_priority_classes`).
+    ``system_prompt_len > 0`` puts one shared system prompt of that many tokens (its own seeded
+    stream: the rest of every request is unchanged) in front of every prompt, for prefix caching.
+    """
     sampler = TokenSampler(vocab_size, special_token_ids, seed)
     offsets = gamma_arrival_offsets(num_requests, rate, burstiness, np.random.default_rng([seed, 1]))
-    return uneven_requests(sampler, offsets, (min_prompt_len, max_prompt_len), (min_max_tokens, max_max_tokens),
-                           ignore_eos, temperature)
+    requests = uneven_requests(sampler, offsets, (min_prompt_len, max_prompt_len), (min_max_tokens, max_max_tokens),
+                               ignore_eos, temperature)
+    if system_prompt_len > 0:
+        system = TokenSampler(vocab_size, special_token_ids, seed + 1_000_003).tokens(system_prompt_len)
+        requests = [dataclasses.replace(r, prompt_token_ids=system + r.prompt_token_ids) for r in requests]
+    return with_priority_classes(requests, interactive_fraction, seed)
 
 
 def shared_prefix(
@@ -224,12 +260,15 @@ def shared_prefix(
     max_question_len: int = 32,
     max_tokens: int = 16,
     arrival_interval_s: float = 0.0,
+    leader_lead_s: float = 0.0,
     ignore_eos: bool = True,
     temperature: float = 0.0,
 ) -> list[WorkloadRequest]:
     """One ``prefix_len``-token system prompt shared by every user plus a short question each
     (nano-vLLM's prefix-caching case). Users arrive ``arrival_interval_s`` apart (0 = together),
-    so later users can hit blocks the first one published.
+    so later users can hit blocks the first one published; ``leader_lead_s`` > 0 sends the first
+    user that much ahead of the rest, so even users arriving together all find the prompt cached
+    (and, with ``cache=prefix``, hold the same physical blocks: cascade attention's case).
     """
     sampler = TokenSampler(vocab_size, special_token_ids, seed)
     system_prompt = sampler.tokens(prefix_len)
@@ -238,7 +277,7 @@ def shared_prefix(
             _name(i),
             system_prompt + sampler.tokens(sampler.integer(min_question_len, max_question_len)),
             _params(max_tokens, ignore_eos, temperature),
-            i * arrival_interval_s,
+            i * arrival_interval_s + (leader_lead_s if i > 0 else 0.0),
         )
         for i in range(num_users)
     ]

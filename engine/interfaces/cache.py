@@ -36,6 +36,11 @@ class CacheStats:
         num_blocks: blocks in the pool.
         prefix_hit_tokens: cumulative tokens whose prefill was skipped thanks to a prefix hit.
         prefix_query_tokens: cumulative tokens looked up in the prefix cache.
+        prefix_evicted_blocks: cumulative cached blocks evicted (their prefix forgotten) to make room.
+        swap_used_blocks: host swap-space blocks holding preempted sequences' K/V now.
+        swap_out_blocks / swap_in_blocks: cumulative blocks copied to / back from the swap space.
+        swap_out_bytes / swap_in_bytes: the same in bytes (K and V of every layer).
+        swap_time_s: cumulative seconds spent copying.
     """
 
     used_tokens: int
@@ -45,6 +50,13 @@ class CacheStats:
     num_blocks: int
     prefix_hit_tokens: int = 0
     prefix_query_tokens: int = 0
+    prefix_evicted_blocks: int = 0
+    swap_used_blocks: int = 0
+    swap_out_blocks: int = 0
+    swap_in_blocks: int = 0
+    swap_out_bytes: int = 0
+    swap_in_bytes: int = 0
+    swap_time_s: float = 0.0
 
 
 @runtime_checkable
@@ -68,12 +80,14 @@ class KVCacheStrategy(Protocol):
         """The longest sequence this cache could ever hold (an empty pool, one sequence)."""
 
     def num_cached_prefix_tokens(self, seq: Sequence) -> int:
-        """Tokens of ``seq`` a prefix hit would skip now (0 for caches without sharing). No side effects."""
+        """Tokens of ``seq`` that ``admit`` would not need to compute now: a prefix hit, or K/V it
+        swapped out (see :class:`SwappableCache`); 0 otherwise. No side effects."""
 
     def admit(self, seq: Sequence, num_tokens: int) -> bool:
         """Give a new (or preempted) ``seq`` room for its first ``num_tokens`` tokens.
 
-        Applies prefix hits: sets ``seq.num_computed_tokens`` and ``seq.num_cached_tokens``.
+        Applies prefix hits and swaps swapped-out K/V back in: sets ``seq.num_computed_tokens``
+        (to :meth:`num_cached_prefix_tokens`) and ``seq.num_cached_tokens``.
         Returns ``False`` (changing nothing) when memory is short.
         """
 
@@ -81,13 +95,32 @@ class KVCacheStrategy(Protocol):
         """Make ``seq``'s block table cover ``num_tokens`` tokens. ``False`` if memory is short."""
 
     def free(self, seq: Sequence) -> None:
-        """Return ``seq``'s blocks. Raises ``RuntimeError`` if ``seq`` holds none (double free)."""
+        """Return ``seq``'s blocks, or drop its swapped-out copy. ``RuntimeError`` if it holds neither."""
 
     def on_tokens_computed(self, seq: Sequence) -> None:
         """Called after each step that computed tokens of ``seq`` (prefix caches publish full blocks)."""
 
     def stats(self) -> CacheStats:
         """Current memory usage."""
+
+
+@runtime_checkable
+class SwappableCache(KVCacheStrategy, Protocol):
+    """A cache that can park a preempted sequence's K/V in host memory (``preemption_mode=swap``).
+
+    A swapped-out sequence holds no device blocks; its next ``admit`` copies the K/V back into
+    fresh blocks and ``num_cached_prefix_tokens`` reports those tokens; ``free`` drops the copy.
+    """
+
+    def enable_swap(self, swap_space_tokens: int) -> None:
+        """Create the host pool (after ``allocate_tensors``). ``ValueError`` if it holds no block."""
+
+    def swap_out(self, seq: Sequence) -> bool:
+        """Copy ``seq``'s computed K/V to the host pool and free its device blocks.
+        ``False`` (nothing changed) when the host pool is too full: recompute instead."""
+
+    def is_swapped_out(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s K/V wait in the host pool (``free`` drops them)."""
 
 
 def allocate_kv_tensors(

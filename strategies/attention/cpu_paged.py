@@ -40,6 +40,7 @@ def _kernel():
         pointer, i64, pointer, pointer,  # block_tables, its row stride, context_lens, query_start_loc
         i64, i64, i64, i64, i64,  # num_seqs, num_heads, num_kv_heads, head_dim, block_size
         ctypes.c_float, pointer, i64,  # scale, out, out token stride
+        pointer, pointer,  # kv_starts (NULL: 0), lse output (NULL: not written); for cascade attention
     ], ctypes.c_int)
 
 
@@ -80,14 +81,31 @@ class CpuPagedBackend:
         scale: float,
     ) -> torch.Tensor:
         """Attention of ``query [T, Hq, D]`` over each sequence's context -> ``[T, Hq, D]``."""
+        return self.attend(query, key, value, k_cache, v_cache, metadata, scale)
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        kv_starts: torch.Tensor | None = None,
+        lse: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Write the new K/V, then attend; sequence ``b`` sees keys from ``kv_starts[b]`` (int32
+        ``[B]``; all keys if ``None``) and, if ``lse`` (float32 ``[T, Hq]``) is given, each query
+        vector's log-sum-exp of its scaled scores is written there (see ``cpu_paged_cascade``)."""
         hint = " (use torch_sdpa, or triton_paged on CUDA)"
-        native.require_cpu_float32(query, "attention=cpu_paged", "the query", hint)
-        native.require_cpu_float32(k_cache, "attention=cpu_paged", "the KV cache", hint)
+        native.require_cpu_float32(query, f"attention={self.name}", "the query", hint)
+        native.require_cpu_float32(k_cache, f"attention={self.name}", "the KV cache", hint)
         num_tokens, num_heads, head_dim = query.shape
         num_kv_heads = k_cache.shape[2]
         if head_dim > _MAX_HEAD_DIM or num_heads > _MAX_HEADS:
             raise ValueError(
-                f"cpu_paged supports head_dim <= {_MAX_HEAD_DIM} and num_heads <= {_MAX_HEADS}; "
+                f"{self.name} supports head_dim <= {_MAX_HEAD_DIM} and num_heads <= {_MAX_HEADS}; "
                 f"got head_dim {head_dim}, num_heads {num_heads}"
             )
         # q/k/v usually arrive as strided views of the fused qkv output: no copy needed.
@@ -95,7 +113,7 @@ class CpuPagedBackend:
         if key.stride(0) != value.stride(0):
             key, value = key.contiguous(), value.contiguous()
         if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-            raise ValueError("cpu_paged: the KV caches must be contiguous tensors")
+            raise ValueError(f"{self.name}: the KV caches must be contiguous tensors")
         slot_mapping, block_tables, context_lens, query_start_loc = metadata.cached(
             "cpu_paged.ints", lambda: _kernel_ints(metadata)
         )
@@ -106,7 +124,8 @@ class CpuPagedBackend:
             block_tables.data_ptr(), block_tables.stride(0), context_lens.data_ptr(), query_start_loc.data_ptr(),
             metadata.num_seqs, num_heads, num_kv_heads, head_dim, metadata.block_size,
             scale, out.data_ptr(), out.stride(0),
+            None if kv_starts is None else kv_starts.data_ptr(), None if lse is None else lse.data_ptr(),
         )
         if status != 0:
-            raise RuntimeError(f"cpu_paged kernel failed with status {status}")
+            raise RuntimeError(f"{self.name} kernel failed with status {status}")
         return out

@@ -156,10 +156,8 @@ class ContiguousCache(PagedCache):
     def max_tokens_per_seq(self) -> int:
         return super().max_tokens_per_seq() if self.reserve == "request" else self.bound_max_model_len()
 
-    def admit(self, seq: Sequence, num_tokens: int) -> bool:
+    def allocate_for(self, seq: Sequence, num_tokens: int) -> bool:
         """Reserve ``seq``'s whole region now; ``num_tokens`` only has to fit inside it."""
-        if seq.block_table:
-            raise RuntimeError(f"sequence {seq.seq_id} is admitted while holding blocks {seq.block_table}")
         region_tokens = self.region_tokens(seq)
         if num_tokens > region_tokens:
             raise ValueError(
@@ -179,8 +177,5 @@ class ContiguousCache(PagedCache):
         """True within the region; a contiguous region cannot grow in place."""
         return num_tokens <= len(seq.block_table) * self.block_size
 
-    def free(self, seq: Sequence) -> None:
-        if self.live_seqs.pop(seq.seq_id, None) is None:
-            raise RuntimeError(f"double free: sequence {seq.seq_id} holds no KV region")
+    def release_blocks(self, seq: Sequence) -> None:
         self.pool.release(seq.block_table[0], len(seq.block_table))
-        seq.block_table = []

@@ -65,6 +65,7 @@ class CachingBlockPool(BlockPool):
         self.key_of_block: dict[int, BlockKey] = {}
         self.parked: OrderedDict[int, None] = OrderedDict()  # least recently parked first
         self.entry_ids = count(ROOT_ID + 1)
+        self.num_evicted = 0  # cumulative evictions of parked cached blocks
 
     @property
     def num_free(self) -> int:
@@ -109,6 +110,7 @@ class CachingBlockPool(BlockPool):
             victim, _ = self.parked.popitem(last=False)
             del self.cached[self.key_of_block.pop(victim)]
             self.give_back(victim)
+            self.num_evicted += 1
         return super().allocate(num_blocks)
 
     def check_all_free(self) -> None:
@@ -125,6 +127,8 @@ class PrefixCache(PagedCache):
         block_size: tokens per block; also the sharing granularity (only full blocks are shared).
         capacity_tokens: KV budget in tokens; the pool has ``capacity_tokens // block_size`` blocks.
     """
+
+    shares_blocks = True  # stats() counts a shared block once
 
     def __init__(self, block_size: int = 16, capacity_tokens: int = 16384) -> None:
         super().__init__(block_size=block_size, capacity_tokens=capacity_tokens)
@@ -149,13 +153,11 @@ class PrefixCache(PagedCache):
             parent_id = entry.entry_id
         return hits
 
-    def num_cached_prefix_tokens(self, seq: Sequence) -> int:
+    def num_prefix_hit_tokens(self, seq: Sequence) -> int:
         return len(self.match_prefix(seq)) * self.block_size
 
-    def admit(self, seq: Sequence, num_tokens: int) -> bool:
+    def allocate_for(self, seq: Sequence, num_tokens: int) -> bool:
         """Share the cached prefix of ``seq`` and allocate fresh blocks for the rest of ``num_tokens``."""
-        if seq.block_table:
-            raise RuntimeError(f"sequence {seq.seq_id} is admitted while holding blocks {seq.block_table}")
         hits = self.match_prefix(seq)
         num_revived = sum(1 for entry in hits if self.pool.ref_counts[entry.block] == 0)
         num_fresh = self.blocks_for(num_tokens) - len(hits)
@@ -183,9 +185,10 @@ class PrefixCache(PagedCache):
 
     def free(self, seq: Sequence) -> None:
         super().free(seq)
-        del self.chains[seq.seq_id]
+        self.chains.pop(seq.seq_id, None)  # absent for a swapped-out sequence
 
     def stats(self) -> CacheStats:
         return dataclasses.replace(
-            super().stats(), prefix_hit_tokens=self.prefix_hit_tokens, prefix_query_tokens=self.prefix_query_tokens
+            super().stats(), prefix_hit_tokens=self.prefix_hit_tokens, prefix_query_tokens=self.prefix_query_tokens,
+            prefix_evicted_blocks=self.pool.num_evicted,
         )

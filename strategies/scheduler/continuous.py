@@ -14,6 +14,7 @@ from collections import deque
 from engine.sequence import Sequence, SequenceStatus
 from engine.interfaces.cache import KVCacheStrategy
 from engine.interfaces.scheduler import ScheduledSequence, SchedulerInvariantError, SchedulerOutput
+from strategies.scheduler.policy import SchedulingPolicy
 
 
 class ContinuousScheduler:
@@ -27,7 +28,10 @@ class ContinuousScheduler:
             ``max_model_len`` (any valid prompt fits in one step).
         chunked_prefill: split prompts longer than the remaining token budget across steps,
             so decode tokens and prefill chunks share one forward pass.
-        policy: queue order; only ``"fcfs"`` (first come, first served) is implemented.
+        policy: who is admitted (and preempted) first: ``"fcfs"``, ``"priority"`` or ``"sjf"``
+            (:mod:`strategies.scheduler.policy`).
+        sjf_aging_steps: ``sjf`` only: steps a request may wait before it is aged into the FCFS
+            lane ahead of every unaged request (the anti-starvation bound).
     """
 
     def __init__(
@@ -38,11 +42,11 @@ class ContinuousScheduler:
         max_num_batched_tokens: int | None = None,
         chunked_prefill: bool = False,
         policy: str = "fcfs",
+        sjf_aging_steps: int = 64,
     ) -> None:
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
-        if policy != "fcfs":
-            raise ValueError(f"unknown scheduling policy {policy!r}; supported: 'fcfs'")
+        self.policy = SchedulingPolicy(policy, sjf_aging_steps)
         self.cache = cache
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
@@ -51,7 +55,9 @@ class ContinuousScheduler:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
         self.chunked_prefill = chunked_prefill
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # admission order: oldest first
+        self.running: list[Sequence] = []  # admission order (fcfs), else policy rank at the step's start
+        self.num_steps = 0  # schedule() calls so far: the policy's clock (sjf aging)
+        self.arrival_steps: dict[int, int] = {}  # seq_id -> num_steps when it was added
 
     # -- queue -----------------------------------------------------------------------------
     def max_tokens_in_one_step(self, num_prompt_tokens: int, max_tokens: int) -> int:
@@ -78,6 +84,7 @@ class ContinuousScheduler:
     def add(self, seq: Sequence) -> None:
         self.validate_request(seq.num_prompt_tokens, seq.sampling_params.max_tokens)
         seq.status = SequenceStatus.WAITING
+        self.arrival_steps[seq.seq_id] = self.num_steps
         self.waiting.append(seq)
 
     @property
@@ -102,8 +109,24 @@ class ContinuousScheduler:
             raise RuntimeError(f"sequence {seq.seq_id} ran out of its reserved KV memory")
         return True
 
+    def apply_policy(self) -> None:
+        """Start a step: order the queue and the running set by the policy's rank (best first).
+
+        Running sequences then get the token budget in rank order, and the last running
+        sequence is the preemption victim; admission serves the queue in rank order.
+        """
+        self.num_steps += 1
+        if self.policy.reorders:
+            self.running = self.policy.order(self.running, self.arrival_steps, self.num_steps)
+            self.waiting = deque(self.policy.order(self.waiting, self.arrival_steps, self.num_steps))
+
+    def forget(self, seq: Sequence) -> None:
+        """Drop the policy's bookkeeping of a sequence that left the scheduler."""
+        self.arrival_steps.pop(seq.seq_id, None)
+
     # -- the step decision -----------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        self.apply_policy()
         output = SchedulerOutput()
         token_budget = self.max_num_batched_tokens
         self.schedule_running(output, token_budget - output.num_batched_tokens)
@@ -114,7 +137,8 @@ class ContinuousScheduler:
         return output
 
     def schedule_running(self, output: SchedulerOutput, token_budget: int) -> None:
-        """Oldest first: each running sequence gets its next token or its next prefill chunk."""
+        """In running order (policy rank; oldest first under fcfs): each running sequence gets its
+        next token or its next prefill chunk."""
         index = 0
         while index < len(self.running) and token_budget > 0:
             seq = self.running[index]
@@ -128,7 +152,7 @@ class ContinuousScheduler:
             # else: make_room preempted ``seq`` itself, which left ``self.running``.
 
     def admit_waiting(self, output: SchedulerOutput, token_budget: int) -> None:
-        """First come, first served: stop at the first request that does not fit."""
+        """In queue (policy) order: stop at the first request that does not fit."""
         while self.waiting and len(self.running) < self.max_num_seqs and token_budget > 0:
             seq = self.waiting[0]
             num_cached = self.cache.num_cached_prefix_tokens(seq)
@@ -154,6 +178,7 @@ class ContinuousScheduler:
         for seq in finished:
             self.running.remove(seq)
             self.cache.free(seq)
+            self.forget(seq)
 
     def abort(self, seq: Sequence) -> None:
         if seq in self.running:
@@ -161,6 +186,7 @@ class ContinuousScheduler:
             self.cache.free(seq)
         else:  # waiting or preempted: it holds no memory
             self.waiting.remove(seq)
+        self.forget(seq)
 
     # -- liveness ---------------------------------------------------------------------------
     def explain_stall(self) -> str:

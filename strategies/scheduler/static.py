@@ -24,6 +24,7 @@ class StaticScheduler(ContinuousScheduler):
         return bool(self.waiting or self.running or self.finished_members)
 
     def schedule(self) -> SchedulerOutput:
+        self.apply_policy()
         output = SchedulerOutput()
         if not self.running and not self.finished_members:
             self.admit_waiting(output, self.max_num_batched_tokens)
@@ -49,4 +50,5 @@ class StaticScheduler(ContinuousScheduler):
         if not self.running:
             for seq in self.finished_members:
                 self.cache.free(seq)
+                self.forget(seq)
             self.finished_members = []

@@ -1,0 +1,175 @@
+"""Fit the simulator's cost model to real runs: ``conf/hardware/<NAME>.yaml`` from ``steps.csv``.
+
+    python -m experiments.calibrate results/runs/<time> [more run dirs] --name cpu-2core
+
+Each run folder holds the resolved ``config.yaml`` (which model, which dtype) and ``steps.csv``
+(one row per engine step: its shape and measured duration). The fit is non-negative least
+squares of step time on the cost model's terms (:func:`simulator.cost_model.fit_coefficients`),
+and the result is written as a hardware file that ``engine=simulated hardware=<NAME>`` uses at
+once. Too few steps, or a fit that explains too little (R^2 under ``--min-r2``), is reported and
+nothing is written. Steps slowed by other processes on a shared machine (over 1.5x the fit) are
+set aside and counted; if more than a quarter are, nothing is written. All runs must be of one model: the fixed step overhead holds its weight read.
+
+The datasheet-like ``--peak-tflops`` / ``--bandwidth-tbps`` only set the units of the terms (the
+fitted multipliers absorb them); their defaults are this project's 2-core CPU probe in float32
+(README: ~150 GFLOP/s matmul peak, ~25 GB/s streaming).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from omegaconf import OmegaConf
+
+from engine.step_shape import StepShape
+from experiments.safe_files import write_text_file
+from simulator.cost_model import CostModel, Fit, StepTerms, fit_coefficients
+from simulator.hardware import Hardware
+from simulator.model_shapes import hf_config_of, model_config_for_costs
+
+HARDWARE_DIR = Path(__file__).resolve().parents[1] / "conf" / "hardware"
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+MIN_KEPT_SHARE = 0.75  # a fit that must set aside more steps than this share as disturbed is refused
+DISTURBED_RATIO = 1.5  # steps measured over this x their prediction are set aside (see fit_coefficients)
+NEEDED_COLUMNS = ("duration_s", "start_time", "end_time", "num_seqs", "num_prefill_tokens", "num_decode_tokens",
+                  "num_wasted_slots", "num_sampled", "context_tokens", "prefill_attention_pairs")
+
+
+def step_shapes(steps: pd.DataFrame) -> list[StepShape]:
+    """The shape of every recorded step (the columns ``engine.step_shape.StepShape`` wrote)."""
+    rows = steps.num_prefill_tokens + steps.num_decode_tokens + steps.num_wasted_slots
+    return [
+        StepShape(num_seqs=int(s), num_rows=int(r), num_decode_tokens=int(d), num_wasted_slots=int(w),
+                  num_sampled=int(n), context_tokens=int(c), prefill_attention_pairs=int(a))
+        for s, r, d, w, n, c, a in zip(steps.num_seqs, rows, steps.num_decode_tokens, steps.num_wasted_slots,
+                                       steps.num_sampled, steps.context_tokens, steps.prefill_attention_pairs)
+    ]
+
+
+def between_steps_s(steps: pd.DataFrame) -> float:
+    """Median time from one step's end to the next one's start: the driver's own work per step,
+    which a virtual clock must pass too. Idle waits for arrivals are the long tail the median ignores."""
+    gaps = (steps.start_time.to_numpy()[1:] - steps.end_time.to_numpy()[:-1])
+    return float(np.median(gaps)) if gaps.size else 0.0
+
+
+def load_run(run_dir: Path) -> tuple[dict, pd.DataFrame]:
+    config_file, steps_file = run_dir / "config.yaml", run_dir / "steps.csv"
+    if not config_file.is_file() or not steps_file.is_file():
+        raise ValueError(f"{run_dir} is not a run folder: it needs config.yaml and steps.csv")
+    cfg = OmegaConf.to_container(OmegaConf.load(config_file), resolve=True)
+    steps = pd.read_csv(steps_file)
+    missing = [c for c in NEEDED_COLUMNS if c not in steps.columns or steps[c].isna().any()]
+    if missing:
+        raise ValueError(f"{steps_file} lacks {missing}: rerun it with servelab's engine (HF peers and older runs "
+                         "do not record the step shape)")
+    return cfg, steps
+
+
+def calibrate(run_dirs: Sequence[Path], peak_tflops: float, bandwidth_tbps: float) -> tuple[Fit, dict, dict]:
+    """Fit on all steps of ``run_dirs``; returns the fit, the model spec and what was fitted on."""
+    configs, terms, seconds = [], [], []
+    for run_dir in run_dirs:
+        cfg, steps = load_run(Path(run_dir))
+        configs.append(cfg)
+        if cfg["model"].get("hf_config") != configs[0]["model"].get("hf_config"):
+            raise ValueError(f"{run_dir} ran model {cfg['model'].get('name')!r}, not {configs[0]['model'].get('name')!r}: "
+                             "calibrate one model at a time")
+        units = Hardware(name="units", peak_tflops=peak_tflops, bandwidth_tbps=bandwidth_tbps,
+                         dtype_bytes=DTYPE_BYTES.get(cfg.get("dtype"), 4))
+        model = CostModel(units, model_config_for_costs(hf_config_of(cfg["model"])[0]))
+        terms += [model.terms(shape) for shape in step_shapes(steps)]
+        seconds += (steps.duration_s + between_steps_s(steps)).tolist()
+    first = configs[0]
+    about = {"model": first["model"].get("name"), "dtype": first.get("dtype"),
+             "dtype_bytes": DTYPE_BYTES.get(first.get("dtype"), 4), "device": first.get("device"),
+             "attention": (first.get("attention") or {}).get("_target_"), "engine": first.get("engine")}
+    return fit_coefficients(terms, seconds, DISTURBED_RATIO), first["model"], about
+
+
+def hardware_yaml(name: str, fit: Fit, about: dict, run_dirs: Sequence[Path], peak_tflops: float,
+                  bandwidth_tbps: float, when: str, note: str = "") -> str:
+    c = fit.coefficients
+    runs = ", ".join(str(p) for p in run_dirs)
+    engine_options = {k: v for k, v in (about["engine"] or {}).items() if not k.startswith("_")}
+    how = (f"python -m experiments.calibrate {' '.join(str(p) for p in run_dirs)} --name {name} ({when}); "
+           f"{fit.num_kept} of {fit.num_steps} steps kept (the rest disturbed, > {DISTURBED_RATIO}x the fit), "
+           f"R^2 {fit.r_squared:.3f}, median |relative error| {fit.median_abs_rel_error:.1%}"
+           + (f"; {note}" if note else ""))
+    return f"""# Calibrated on a real machine by experiments/calibrate.py: coefficients fitted (non-negative
+# least squares) to the step durations of {runs}.
+# Valid for model {about['model']} ({about['dtype']}) with attention {about['attention']} and engine
+# options {engine_options}: the step overhead holds that model's weight read. Formula: docs/simulator.md.
+_target_: simulator.hardware.Hardware
+name: {name}
+peak_tflops: {peak_tflops}          # units only: FLOP term = FLOPs / this (the fitted multiplier absorbs it)
+bandwidth_tbps: {bandwidth_tbps}       # units only: byte terms = bytes / this
+memory_gb: null             # unknown: the KV budget comes from cache.capacity_tokens
+tensor_parallel: 1          # one device (this machine)
+dtype_bytes: {about['dtype_bytes']}               # bytes per weight / K/V element of the calibration runs ({about['dtype']})
+step_overhead_s: {c['step_overhead_s']:.6g}   # fitted: fixed per step, includes the weight read and the driver's gap
+seq_overhead_s: {c['seq_overhead_s']:.6g}   # fitted: per scheduled sequence
+linear_time_scale: {c['linear_time_scale']:.6g}   # fitted: x (linear FLOPs / peak_tflops)
+weight_time_scale: 0.0      # not separable from step_overhead_s on one model (absorbed there)
+kv_time_scale: {c['kv_time_scale']:.6g}   # fitted: x (KV bytes read / bandwidth_tbps)
+attention_time_scale: {c['attention_time_scale']:.6g}   # fitted: x (attention FLOPs / peak_tflops)
+calibrated: true            # fitted on a real machine (summaries say "simulated, calibrated")
+calibrated_model: {about['model']}    # the model the fit is valid for
+calibration: "{how}"        # how this file was made
+"""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("run_dirs", nargs="+", type=Path, help="run folders with config.yaml and steps.csv")
+    parser.add_argument("--name", required=True, help="writes conf/hardware/<name>.yaml")
+    parser.add_argument("--peak-tflops", type=float, default=0.15, help="units of the FLOP terms")
+    parser.add_argument("--bandwidth-tbps", type=float, default=0.025, help="units of the byte terms")
+    parser.add_argument("--min-steps", type=int, default=30, help="fewer steps: refuse to fit")
+    parser.add_argument("--min-r2", type=float, default=0.9, help="a fit with lower R^2: refuse to write")
+    parser.add_argument("--out-dir", type=Path, default=HARDWARE_DIR, help="where hardware files live")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing file of that name")
+    parser.add_argument("--note", default="", help="how the runs were made, kept in the file (e.g. OMP_NUM_THREADS=1)")
+    args = parser.parse_args(argv)
+    target = args.out_dir / f"{args.name}.yaml"
+    if target.exists() and not args.overwrite:
+        print(f"{target} exists; pick another --name or pass --overwrite", file=sys.stderr)
+        return 2
+    try:
+        fit, _, about = calibrate(args.run_dirs, args.peak_tflops, args.bandwidth_tbps)
+    except ValueError as error:
+        print(f"calibration failed: {error}", file=sys.stderr)
+        return 2
+    print(f"fit on {fit.num_kept} of {fit.num_steps} steps ({fit.num_steps - fit.num_kept} set aside as disturbed): "
+          f"R^2 {fit.r_squared:.3f}, median |relative error| {fit.median_abs_rel_error:.1%}, "
+          f"coefficients {fit.coefficients}")
+    if fit.num_kept < MIN_KEPT_SHARE * fit.num_steps:
+        print(f"only {fit.num_kept} of {fit.num_steps} steps fit the model within {DISTURBED_RATIO}x: the machine was "
+              "too busy, or the model does not describe it; nothing written", file=sys.stderr)
+        return 1
+    if fit.num_kept < args.min_steps:
+        print(f"too few steps ({fit.num_kept} usable < --min-steps {args.min_steps}): nothing written; "
+              "calibrate on a longer run (e.g. workload.concurrency=16)", file=sys.stderr)
+        return 1
+    if fit.r_squared < args.min_r2:
+        print(f"the fit explains too little (R^2 {fit.r_squared:.3f} < --min-r2 {args.min_r2}): nothing written; "
+              "the runs are too noisy or too uniform (calibrate on a run with prefills and decodes of varied batch)",
+              file=sys.stderr)
+        return 1
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    # crash-safe; replaces an existing file only with --overwrite (checked above)
+    write_text_file(hardware_yaml(args.name, fit, about, args.run_dirs, args.peak_tflops, args.bandwidth_tbps, when,
+                                  args.note.replace('"', "'")),
+                    target, replace=args.overwrite)
+    print(f"wrote {target}: use it as hardware={args.name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

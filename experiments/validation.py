@@ -1,0 +1,138 @@
+"""Simulator validation: the real engine and the calibrated simulator on identical requests.
+
+    python run.py +experiment=simulator_validation          # the sweep, then this comparison
+    python -m experiments.validation results/sweeps/<time>  # the comparison again, on a finished sweep
+
+The sweep runs every held-out configuration (``conf/validation_case/``: scheduler x cache x
+workload x concurrency, none of them the calibration run's) twice, ``engine=servelab`` then
+``engine=simulated``, with the same seeded workload. This module pairs the two jobs of each
+case and writes, into the sweep folder:
+
+* ``validation.csv``: configuration, metric, real, simulated, relative error
+  ((simulated - real) / real; 0 when both are 0);
+* ``validation.md``: that table plus the median |relative error| per metric against the targets;
+* ``validation.png``: relative error per metric and configuration.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+from hydra.experimental.callback import Callback  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from experiments.plots import save_figure  # noqa: E402
+from experiments.report import collect, markdown_table  # noqa: E402
+from experiments.results import write_csv, write_text_file  # noqa: E402
+
+CASE_COLUMN = "override:validation_case"
+#: metric key in summary.json -> (label, target median |relative error| or None)
+METRICS: dict[str, tuple[str, float | None]] = {
+    "output_throughput": ("output tok/s", 0.05),
+    "tpot_s_p50": ("TPOT p50", 0.05),
+    "ttft_s_p50": ("TTFT p50", 0.10),
+    "ttft_s_p99": ("TTFT p99", 0.15),
+    "e2e_s_p50": ("E2E p50", None),
+    "preemptions": ("preemptions", None),
+    "prefix_hit_tokens": ("prefix-hit tokens", None),
+}
+
+
+def relative_error(real: float, simulated: float) -> float:
+    if real == 0:
+        return 0.0 if simulated == 0 else math.inf
+    return (simulated - real) / real
+
+
+def comparison(frame: pd.DataFrame) -> pd.DataFrame:
+    """One row per (configuration, metric) from a sweep's report frame."""
+    if CASE_COLUMN not in frame:
+        raise ValueError("not a simulator_validation sweep: no validation_case override in its jobs")
+    rows: list[dict[str, Any]] = []
+    for case, jobs in frame.groupby(CASE_COLUMN, sort=False):
+        by_engine = {row["engine"]: row for _, row in jobs.iterrows() if row.get("status") == "ok"}
+        if set(by_engine) != {"servelab", "simulated"}:
+            rows.append({"configuration": case, "metric": "status", "real": None, "simulated": None,
+                         "relative_error": None, "note": "a job failed: no comparison"})
+            continue
+        real, simulated = by_engine["servelab"], by_engine["simulated"]
+        for key, (label, _) in METRICS.items():
+            real_value, sim_value = float(real.get(key) or 0.0), float(simulated.get(key) or 0.0)
+            rows.append({"configuration": case, "metric": label, "real": real_value, "simulated": sim_value,
+                         "relative_error": relative_error(real_value, sim_value), "note": ""})
+    return pd.DataFrame(rows)
+
+
+def medians(table: pd.DataFrame) -> pd.DataFrame:
+    """Median |relative error| per metric over configurations, with the target and whether it is met."""
+    rows = []
+    for key, (label, target) in METRICS.items():
+        errors = table.loc[table.metric == label, "relative_error"].dropna().abs()
+        median = float(np.median(errors)) if len(errors) else None
+        rows.append({"metric": label, "median_abs_relative_error": median, "target": target,
+                     "met": None if target is None or median is None else median <= target})
+    return pd.DataFrame(rows)
+
+
+def plot(table: pd.DataFrame, path: Path) -> Path:
+    ok = table.dropna(subset=["relative_error"])
+    ok = ok[np.isfinite(ok.relative_error)]
+    labels = [label for label, _ in METRICS.values()]
+    cases = list(dict.fromkeys(ok.configuration))
+    fig, ax = plt.subplots(figsize=(10, 4))
+    width = 0.8 / max(len(cases), 1)
+    for index, case in enumerate(cases):
+        part = ok[ok.configuration == case].set_index("metric").reindex(labels)
+        ax.bar(np.arange(len(labels)) + index * width, 100 * part.relative_error.fillna(0), width, label=case)
+    for _, (label, target) in METRICS.items():
+        if target is not None:
+            x = labels.index(label)
+            ax.hlines([-100 * target, 100 * target], x - 0.1, x + 0.9, colors="k", linestyles="dotted")
+    ax.axhline(0, color="k", linewidth=0.5)
+    ax.set_xticks(np.arange(len(labels)) + 0.4 - width / 2, labels, fontsize=8)
+    ax.set(ylabel="simulated vs real (%)", title="Simulator vs real engine, held-out configurations (dotted: targets)")
+    ax.legend(fontsize=7)
+    return save_figure(fig, path)
+
+
+def write_validation(root: Path) -> list[Path]:
+    table = comparison(collect(root))
+    summary = medians(table)
+    csv = write_csv(table.drop(columns="note"), root / "validation.csv")
+    md = write_text_file("\n".join([
+        f"# Simulator validation: {root}", "",
+        "Median |relative error| over the held-out configurations:", "",
+        markdown_table(summary, list(summary.columns)), "", "Every row:", "", markdown_table(table, ["configuration", "metric", "real", "simulated", "relative_error", "note"]), "",
+    ]), root / "validation.md")
+    return [csv, md, plot(table, root / "validation.png")]
+
+
+class ValidationCallback(Callback):
+    """Hydra callback: the comparison when the validation sweep ends."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        written = write_validation(Path(config.hydra.sweep.dir))
+        print(written[1].read_text())
+        print("\n".join(str(p) for p in written))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("sweep_dir", type=Path, help="a finished +experiment=simulator_validation sweep")
+    args = parser.parse_args(argv)
+    written = write_validation(args.sweep_dir)
+    print(written[1].read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

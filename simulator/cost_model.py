@@ -1,0 +1,155 @@
+"""Time of one engine step from the batch the scheduler built, on a model of the hardware.
+
+The step's shape (:class:`engine.step_shape.StepShape`) gives, per step: ``S`` sequences, ``T``
+token rows, ``R`` sampled rows, ``C`` context tokens read and ``A`` causal query-key pairs of the
+prefill rows (sequences computing more than one row; a decode row's attention is its context read). With
+the model's shapes (:mod:`simulator.model_shapes`) they become ideal times at datasheet peaks:
+
+* ``t_lin  = (T * 2 * layer_params + R * 2 * vocab * hidden) / peak_flops``  (GEMMs)
+* ``t_w    = weight_bytes / bandwidth``                                    (stream the weights once)
+* ``t_kv   = C * kv_bytes_per_token / bandwidth``                          (attention reads the KV cache)
+* ``t_attn = A * 4 * layers * heads * head_dim / peak_flops``               (quadratic prefill attention)
+
+and the step time is
+
+    t = c_step + c_seq * S + max(c_lin * t_lin, c_w * t_w) + c_kv * t_kv + c_attn * t_attn
+
+The ``max`` is the roofline of the linear layers: a small decode batch waits for the weights to
+stream, a large prefill waits for the math. Every ``c`` is >= 0: ``c_step`` / ``c_seq`` are
+overheads in seconds, the others are 1 / efficiency against the datasheet.
+
+**Fitting** (``experiments.calibrate``): on one model the weight read is the same every step,
+so ``c_w * t_w`` cannot be told apart from ``c_step``; the fit sets ``c_w = 0`` (the max is then
+``c_lin * t_lin``) and solves the linear model ``t = X c`` for
+``c = (c_step, c_seq, c_lin, c_kv, c_attn)`` by non-negative least squares
+(``scipy.optimize.nnls``), on the measured step durations plus the median gap between
+back-to-back steps (the driver's own time, which a virtual clock must also pass).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.model_config import ModelConfig
+from engine.step_shape import StepShape
+from simulator import model_shapes
+from simulator.hardware import Hardware
+
+#: columns of the calibration design matrix, in order
+FIT_TERMS = ("step_overhead_s", "seq_overhead_s", "linear_time_scale", "kv_time_scale", "attention_time_scale")
+
+
+@dataclass(frozen=True)
+class StepTerms:
+    """Ideal times of one step at datasheet peaks (seconds), before coefficients."""
+
+    num_seqs: int
+    linear_s: float
+    weights_s: float
+    kv_s: float
+    attention_s: float
+
+    def fit_row(self) -> list[float]:
+        """The calibration features, in :data:`FIT_TERMS` order."""
+        return [1.0, float(self.num_seqs), self.linear_s, self.kv_s, self.attention_s]
+
+
+class CostModel:
+    """Prices steps of one model on one hardware; the per-unit constants are computed once."""
+
+    def __init__(self, hardware: Hardware, model_config: ModelConfig) -> None:
+        self.hardware = hardware
+        flops, bandwidth, dtype_bytes = hardware.flops_per_s, hardware.bytes_per_s, hardware.dtype_bytes
+        self.linear_s_per_row = model_shapes.linear_flops_per_token(model_config) / flops
+        self.lm_head_s_per_row = model_shapes.lm_head_flops_per_row(model_config) / flops
+        self.weights_s = model_shapes.weight_bytes_read_per_step(model_config, dtype_bytes) / bandwidth
+        self.kv_s_per_token = model_shapes.kv_bytes_per_token(model_config, dtype_bytes) / bandwidth
+        self.attention_s_per_pair = model_shapes.attention_flops_per_pair(model_config) / flops
+
+    def terms(self, shape: StepShape) -> StepTerms:
+        return StepTerms(
+            num_seqs=shape.num_seqs,
+            linear_s=shape.num_rows * self.linear_s_per_row + shape.num_sampled * self.lm_head_s_per_row,
+            weights_s=self.weights_s,
+            kv_s=shape.context_tokens * self.kv_s_per_token,
+            attention_s=shape.prefill_attention_pairs * self.attention_s_per_pair,
+        )
+
+    def step_time(self, shape: StepShape) -> float:
+        """Seconds the step takes on this hardware."""
+        hw, terms = self.hardware, self.terms(shape)
+        return (
+            hw.step_overhead_s
+            + hw.seq_overhead_s * terms.num_seqs
+            + max(hw.linear_time_scale * terms.linear_s, hw.weight_time_scale * terms.weights_s)
+            + hw.kv_time_scale * terms.kv_s
+            + hw.attention_time_scale * terms.attention_s
+        )
+
+
+@dataclass(frozen=True)
+class Fit:
+    """Result of a calibration fit.
+
+    Attributes:
+        coefficients: fitted values by name (:data:`FIT_TERMS`).
+        r_squared: share of the variance of the kept steps' durations the fit explains.
+        num_steps: steps offered; num_kept: steps the final fit used (the rest were disturbed).
+        median_abs_rel_error: median |predicted - measured| / measured over the kept steps.
+    """
+
+    coefficients: dict[str, float]
+    r_squared: float
+    num_steps: int
+    num_kept: int
+    median_abs_rel_error: float
+
+
+def _nnls_relative(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """NNLS with rows weighted by 1 / y (minimises relative error: a 4 s prefill and a 30 ms decode
+    step count alike) and columns scaled to unit norm for conditioning."""
+    from scipy.optimize import nnls
+
+    weighted = x / y[:, None]
+    norms = np.linalg.norm(weighted, axis=0)
+    norms[norms == 0] = 1.0
+    solution, _ = nnls(weighted / norms, np.ones_like(y))
+    return solution / norms
+
+
+def fit_coefficients(terms: Sequence[StepTerms], seconds: Sequence[float], disturbed_ratio: float = 1.5,
+                     rounds: int = 5) -> Fit:
+    """Non-negative least squares of ``seconds`` on the steps' :meth:`StepTerms.fit_row`.
+
+    On a shared machine some steps are slowed by other processes (CPU steal: a 50 ms decode step
+    that takes 1.5 s). Such noise only ever adds time, so after each fit the steps measured over
+    ``disturbed_ratio`` x their prediction are set aside and the fit is repeated (``rounds`` at
+    most); :attr:`Fit.num_kept` says how many steps the final fit used.
+    """
+    if len(terms) != len(seconds) or not terms:
+        raise ValueError(f"need one duration per step and at least one step, got {len(terms)} and {len(seconds)}")
+    x = np.array([t.fit_row() for t in terms], dtype=np.float64)
+    y = np.asarray(seconds, dtype=np.float64)
+    if (y <= 0).any():
+        raise ValueError("step durations must be > 0")
+    keep = np.ones(len(y), dtype=bool)
+    for _ in range(rounds):
+        coefficients = _nnls_relative(x[keep], y[keep])
+        predicted = x @ coefficients
+        next_keep = y <= disturbed_ratio * predicted
+        if next_keep.sum() < x.shape[1] or (next_keep == keep).all():
+            break
+        keep = next_keep
+    coefficients = _nnls_relative(x[keep], y[keep])
+    kept_y, kept_predicted = y[keep], x[keep] @ coefficients
+    total = ((kept_y - kept_y.mean()) ** 2).sum()
+    r_squared = 1.0 - ((kept_y - kept_predicted) ** 2).sum() / total if total > 0 else 0.0
+    return Fit(
+        coefficients=dict(zip(FIT_TERMS, coefficients.tolist())),
+        r_squared=float(r_squared),
+        num_steps=len(y),
+        num_kept=int(keep.sum()),
+        median_abs_rel_error=float(np.median(np.abs(kept_predicted - kept_y) / kept_y)),
+    )

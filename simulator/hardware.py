@@ -1,0 +1,90 @@
+"""A machine for the simulator: datasheet peaks plus the coefficients of the cost model.
+
+``conf/hardware/<name>.yaml`` is one of two kinds:
+
+* a **preset** (``calibrated: false``): datasheet numbers (dense bf16 tensor-core FLOP/s, memory
+  bandwidth, memory size) and default coefficients that say how far below the datasheet a real
+  serving engine runs. Every summary that uses one is labelled ``projected, uncalibrated``.
+* a **calibration** (``calibrated: true``): written by ``python -m experiments.calibrate`` from
+  real runs' ``steps.csv``; its coefficients are fitted to this machine and one model.
+
+The coefficients are time multipliers on ideal times (1 / efficiency) and fixed overheads; the
+formula is in :mod:`simulator.cost_model` and docs/simulator.md.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PROJECTED = "projected, uncalibrated"
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One accelerator (or ``tensor_parallel`` of them) as the cost model sees it.
+
+    Attributes:
+        name: the preset / calibration name (``conf/hardware/<name>.yaml``).
+        peak_tflops: dense peak of one device, TFLOP/s, in the simulated dtype.
+        bandwidth_tbps: memory bandwidth of one device, TB/s.
+        memory_gb: memory of one device, GB (1e9 bytes); ``None``: unknown (the KV budget then
+            comes from ``cache.capacity_tokens``).
+        tensor_parallel: devices a model is split over; peaks, bandwidth and memory scale with
+            it, communication is not modelled (optimistic for > 1).
+        dtype_bytes: bytes per weight and per K/V element (2 for bf16, 4 for float32).
+        step_overhead_s: fixed seconds per step (launches, scheduling, sampling, the driver loop).
+        seq_overhead_s: seconds per scheduled sequence (per-sequence bookkeeping and kernels).
+        linear_time_scale: multiplier on linear-layer FLOPs / peak (1 / achieved MFU of GEMMs).
+        weight_time_scale: multiplier on weight bytes / bandwidth (1 / achieved bandwidth share).
+        kv_time_scale: multiplier on KV bytes read / bandwidth (attention's memory side).
+        attention_time_scale: multiplier on attention FLOPs / peak (quadratic prefill term).
+        calibrated: fitted on a real machine (``experiments.calibrate``) rather than a datasheet.
+        calibrated_model: the model the calibration ran (its weight read hides in the step overhead).
+        calibration: how the file was made (command, runs, date, fit quality).
+    """
+
+    name: str
+    peak_tflops: float
+    bandwidth_tbps: float
+    memory_gb: float | None = None
+    tensor_parallel: int = 1
+    dtype_bytes: int = 2
+    step_overhead_s: float = 0.0
+    seq_overhead_s: float = 0.0
+    linear_time_scale: float = 1.0
+    weight_time_scale: float = 1.0
+    kv_time_scale: float = 1.0
+    attention_time_scale: float = 1.0
+    calibrated: bool = False
+    calibrated_model: str | None = None
+    calibration: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.peak_tflops <= 0 or self.bandwidth_tbps <= 0:
+            raise ValueError(f"hardware {self.name!r}: peak_tflops and bandwidth_tbps must be > 0")
+        if self.tensor_parallel < 1:
+            raise ValueError(f"hardware {self.name!r}: tensor_parallel must be >= 1, got {self.tensor_parallel}")
+        if self.dtype_bytes not in (1, 2, 4):
+            raise ValueError(f"hardware {self.name!r}: dtype_bytes must be 1, 2 or 4, got {self.dtype_bytes}")
+        scales = (self.step_overhead_s, self.seq_overhead_s, self.linear_time_scale, self.weight_time_scale,
+                  self.kv_time_scale, self.attention_time_scale)
+        if min(scales) < 0:
+            raise ValueError(f"hardware {self.name!r}: overheads and time scales must be >= 0")
+
+    @property
+    def flops_per_s(self) -> float:
+        return self.peak_tflops * 1e12 * self.tensor_parallel
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.bandwidth_tbps * 1e12 * self.tensor_parallel
+
+    @property
+    def memory_bytes(self) -> float | None:
+        return None if self.memory_gb is None else self.memory_gb * 1e9 * self.tensor_parallel
+
+    @property
+    def timing_label(self) -> str:
+        """What the times of a run on this hardware are: written into every summary."""
+        if self.calibrated:
+            return f"simulated, calibrated ({self.name}, on {self.calibrated_model})"
+        return f"{PROJECTED} ({self.name} datasheet, tp={self.tensor_parallel})"

@@ -1,0 +1,165 @@
+"""Cascade (shared-prefix) attention: exact against the naive reference, and HF's tokens end to end.
+
+Kernel level: decode steps whose sequences share physical prefix blocks (as a prefix cache
+hands them out) in a NaN-filled cache, so a read outside a context shows up as NaN; the
+cascade backend must match the float64 reference and must really take the cascade path
+(``stats``). The C kernel's partial mode (key start + log-sum-exp) is checked on its own.
+Engine level: cache=prefix with a 500-token shared prompt gives HF's greedy tokens.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engine import LLM, SamplingParams
+from engine.attention_metadata import AttentionMetadata
+from hf_reference import hf_greedy
+from strategies.attention.cpu_paged import CpuPagedBackend
+from strategies.attention.cpu_paged_cascade import CpuPagedCascadeBackend, plan_groups
+from test_attention_backends import Step, check_backend
+
+
+def shared_prefix_step(groups: list[tuple[int, list[int]]], block_size: int, num_heads: int, num_kv_heads: int,
+                       head_dim: int, seed: int = 0, extra_prefill: int = 0) -> Step:
+    """A decode step: ``groups`` = [(shared blocks, [own tokens of each member incl. the new one])].
+
+    Blocks are shuffled; shared blocks appear once in the cache and in every member's table.
+    ``extra_prefill`` > 0 appends a prefill sequence of that many tokens (a mixed step).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    needed = 0
+    for shared_blocks, members in groups:
+        needed += shared_blocks + sum(-(-own // block_size) for own in members)
+    needed += -(-extra_prefill // block_size) + 2
+    ids = list(range(needed))
+    rng.shuffle(ids)
+    take = iter(ids)
+    seqs = []  # (table, context, query_len)
+    for shared_blocks, members in groups:
+        shared = [next(take) for _ in range(shared_blocks)]
+        for own in members:
+            own_blocks = [next(take) for _ in range(-(-own // block_size))]
+            seqs.append((shared + own_blocks, shared_blocks * block_size + own, 1))
+    if extra_prefill:
+        seqs.append(([next(take) for _ in range(-(-extra_prefill // block_size))], extra_prefill, extra_prefill))
+    shape = (needed, block_size, num_kv_heads, head_dim)
+    k_cache, v_cache = torch.full(shape, float("nan")), torch.full(shape, float("nan"))
+    k_flat, v_flat = k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim)
+    slots = lambda table, t: table[t // block_size] * block_size + t % block_size  # noqa: E731
+    for table, context, query_len in seqs:
+        for t in range(context - query_len):
+            if torch.isnan(k_flat[slots(table, t)]).any():  # shared slots are written once
+                k_flat[slots(table, t)] = torch.randn(num_kv_heads, head_dim, generator=gen)
+                v_flat[slots(table, t)] = torch.randn(num_kv_heads, head_dim, generator=gen)
+    query_lens = [q for _, _, q in seqs]
+    max_blocks = max(len(t) for t, _, _ in seqs)
+    metadata = AttentionMetadata(
+        query_start_loc=torch.tensor([0] + query_lens).cumsum(0).to(torch.int32),
+        query_lens=torch.tensor(query_lens, dtype=torch.int32),
+        context_lens=torch.tensor([c for _, c, _ in seqs], dtype=torch.int32),
+        slot_mapping=torch.tensor([slots(t, p) for t, c, q in seqs for p in range(c - q, c)], dtype=torch.int64),
+        block_tables=torch.tensor([t + [0] * (max_blocks - len(t)) for t, _, _ in seqs], dtype=torch.int32),
+        block_size=block_size, max_query_len=max(query_lens), max_context_len=max(c for _, c, _ in seqs),
+    )
+    num_tokens = sum(query_lens)
+    return Step(
+        query=torch.randn(num_tokens, num_heads, head_dim, generator=gen),
+        key=torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen),
+        value=torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen),
+        k_cache=k_cache, v_cache=v_cache, metadata=metadata, scale=head_dim ** -0.5,
+    )
+
+
+# a group of 3 sharing 4 blocks (one member's query token is the first of its own block), a group of
+# 2 sharing 2 blocks, a loner whose "shared" blocks nobody else holds
+GROUPS = [(4, [3, 1, 6]), (2, [2, 5]), (3, [1])]
+
+
+@pytest.mark.parametrize("heads", [(4, 2), (2, 2), (6, 2), (4, 1)])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_cascade_matches_reference_and_takes_the_cascade_path(heads, block_size):
+    backend = CpuPagedCascadeBackend(min_shared_tokens=1)
+    check_backend(backend, shared_prefix_step(GROUPS, block_size, *heads, head_dim=16))
+    assert backend.stats.cascade_calls == 1 and backend.stats.groups == 2
+    assert backend.stats.shared_rows_saved == (2 * 4 + 1 * 2) * block_size
+
+
+def test_groups_come_from_equal_leading_blocks():
+    step = shared_prefix_step(GROUPS, 4, 4, 2, head_dim=8)
+    plan = plan_groups(step.metadata, min_group_size=2, min_shared_tokens=1)
+    assert [(g.num_rows, g.num_tokens) for g in plan.groups] == [(3, 16), (2, 8)]
+    assert plan.kv_starts.tolist() == [16, 16, 16, 8, 8, 0]
+    # thresholds: a 2-member group below min_shared_tokens, or groups below min_group_size, drop out
+    assert [g.num_rows for g in plan_groups(step.metadata, 2, 12).groups] == [3]
+    assert plan_groups(step.metadata, 4, 1).groups == []
+
+
+def test_mixed_steps_and_small_groups_take_the_plain_path():
+    backend = CpuPagedCascadeBackend(min_shared_tokens=1)
+    check_backend(backend, shared_prefix_step(GROUPS, 4, 4, 2, head_dim=16, extra_prefill=7))
+    check_backend(backend, shared_prefix_step([(3, [2]), (3, [4])], 4, 4, 2, head_dim=16))  # nobody shares
+    assert backend.stats.cascade_calls == 0
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    groups=st.lists(st.tuples(st.integers(0, 5), st.lists(st.integers(1, 9), min_size=1, max_size=4)),
+                    min_size=1, max_size=3),
+    block_size=st.sampled_from([1, 4, 16]),
+    heads=st.sampled_from([(4, 2), (6, 3), (2, 1)]),
+)
+def test_cascade_random_shapes(groups, block_size, heads):
+    check_backend(CpuPagedCascadeBackend(min_shared_tokens=1), shared_prefix_step(groups, block_size, *heads, head_dim=8))
+
+
+def test_partial_kernel_attends_from_key_start_and_reports_lse():
+    step = shared_prefix_step([(3, [2, 5])], 4, 4, 2, head_dim=8)
+    md = step.metadata
+    kv_starts = torch.tensor([5, 12], dtype=torch.int32)
+    lse = torch.empty(2, 4)
+    out = CpuPagedBackend().attend(step.query, step.key, step.value, step.k_cache, step.v_cache, md, step.scale,
+                                   kv_starts=kv_starts, lse=lse)
+    k_flat = step.k_cache.view(-1, 2, 8)
+    v_flat = step.v_cache.view(-1, 2, 8)
+    for i in range(2):
+        table, context = md.block_tables[i].tolist(), int(md.context_lens[i])
+        slots = [table[t // 4] * 4 + t % 4 for t in range(int(kv_starts[i]), context)]
+        for h in range(4):
+            scores = k_flat[slots, h // 2].double() @ step.query[i, h].double() * step.scale
+            torch.testing.assert_close(lse[i, h].double(), torch.logsumexp(scores, 0), atol=1e-5, rtol=1e-5)
+            expected = torch.softmax(scores, 0) @ v_flat[slots, h // 2].double()
+            torch.testing.assert_close(out[i, h].double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_bad_options():
+    with pytest.raises(ValueError, match="min_group_size must be >= 2"):
+        CpuPagedCascadeBackend(min_group_size=1)
+    with pytest.raises(ValueError, match="min_shared_tokens must be >= 1"):
+        CpuPagedCascadeBackend(min_shared_tokens=0)
+
+
+def test_engine_shared_prompt_gives_hf_tokens_through_the_cascade_path(long_context_ckpt):
+    """cache=prefix + a 500-token shared prompt: later users share its 31 blocks; the cascade
+    path runs in their decode steps, and every user's tokens equal HF greedy's and cpu_paged's."""
+    rng = random.Random(3)  # prompts whose greedy tokens avoid EOS: HF's oracle suppresses EOS (min_new_tokens)
+    shared = [rng.randrange(3, 256) for _ in range(500)]
+    prompts = [shared + [rng.randrange(3, 256) for _ in range(rng.randint(3, 20))] for _ in range(3)]
+    prompts.append([rng.randrange(3, 256) for _ in range(40)])  # a user outside the group
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    tokens = {}
+    for attention in ("cpu_paged", "cpu_paged_cascade"):
+        llm = LLM(model=str(long_context_ckpt), cache="prefix", attention=attention, device="cpu",
+                  block_size=16, capacity_tokens=4096)
+        llm.generate(prompts[:1], SamplingParams(max_tokens=1, ignore_eos=True))  # publishes the shared blocks
+        tokens[attention] = [o.token_ids for o in llm.generate(prompts, params)]
+        llm.free_blocks_check()
+    stats = llm.attention.stats
+    assert stats.cascade_calls > 0 and stats.groups >= stats.cascade_calls
+    assert tokens["cpu_paged_cascade"] == tokens["cpu_paged"]
+    for prompt, generated in zip(prompts, tokens["cpu_paged_cascade"]):
+        assert generated == hf_greedy(str(long_context_ckpt), tuple(prompt), 4)

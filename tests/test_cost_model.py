@@ -1,0 +1,129 @@
+"""The cost model's arithmetic against hand-computed numbers, and the NNLS fit's round trip."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import yaml
+
+from engine.config import CONF_DIR
+from engine.step_shape import StepShape
+from simulator.cost_model import CostModel, fit_coefficients
+from simulator.hardware import Hardware
+from simulator.llm import SimulatedLLM, kv_capacity_from_memory
+from simulator.model_shapes import model_config_for_costs, parameter_count
+
+TINY = model_config_for_costs(yaml.safe_load((CONF_DIR / "model" / "tiny.yaml").read_text())["hf_config"])
+LLAMA_8B = model_config_for_costs(yaml.safe_load((CONF_DIR / "model" / "llama-3.1-8b.yaml").read_text())["hf_config"])
+
+
+def shape(seqs=1, rows=1, decode=1, sampled=1, context=1, pairs=0) -> StepShape:
+    return StepShape(num_seqs=seqs, num_rows=rows, num_decode_tokens=decode, num_wasted_slots=0,
+                     num_sampled=sampled, context_tokens=context, prefill_attention_pairs=pairs)
+
+
+def test_parameter_counts_match_the_published_sizes():
+    assert parameter_count(LLAMA_8B) == 8_030_261_248  # Llama-3.1-8B: "8.03B"
+    # tiny by hand: per layer q/k/v/o 64*(64+32+32) + 64*64, MLP 3*64*128, 2 norms of 64
+    layer = 64 * 128 + 64 * 64 + 3 * 64 * 128 + 2 * 64
+    assert parameter_count(TINY) == 512 * 64 + 2 * layer + 64
+
+
+def test_step_time_by_hand_on_tiny():
+    """1 TFLOP/s and 1 TB/s with every multiplier 1: each term is FLOPs or bytes x 1e-12."""
+    hw = Hardware(name="unit", peak_tflops=1, bandwidth_tbps=1, dtype_bytes=4, step_overhead_s=1e-3,
+                  seq_overhead_s=1e-4)
+    layer = 64 * 128 + 64 * 64 + 3 * 64 * 128 + 2 * 64
+    prefill = shape(seqs=2, rows=100, decode=0, sampled=2, context=100, pairs=2 * (50 * 51 // 2))
+    linear = (100 * 2 * 2 * layer + 2 * 2 * 512 * 64) * 1e-12
+    weights = (2 * layer + 512 * 64 + 64) * 4 * 1e-12
+    kv = 100 * (2 * 2 * 32 * 4) * 1e-12
+    attention = 2 * 1275 * (4 * 2 * 4 * 16) * 1e-12
+    expected = 1e-3 + 2e-4 + max(linear, weights) + kv + attention
+    assert CostModel(hw, TINY).step_time(prefill) == pytest.approx(expected, rel=1e-12)
+
+
+def test_roofline_decode_waits_for_weights_and_prefill_for_math():
+    h100 = Hardware(name="h100", peak_tflops=989, bandwidth_tbps=3.35)
+    model = CostModel(h100, LLAMA_8B)
+    decode = model.step_time(shape(seqs=1, rows=1, context=1000))
+    weights_s = (parameter_count(LLAMA_8B) - 128256 * 4096) * 2 / 3.35e12  # every weight but the embedding
+    assert decode == pytest.approx(weights_s + 1000 * 131072 / 3.35e12, rel=1e-3)
+    prefill = model.step_time(shape(seqs=1, rows=8192, decode=0, context=8192, pairs=8192 * 8193 // 2))
+    assert prefill > 8192 * 2 * 6.98e9 / 989e12  # compute bound: at least the linear FLOPs at peak
+
+
+def test_more_work_never_costs_less():
+    model = CostModel(Hardware(name="h100", peak_tflops=989, bandwidth_tbps=3.35, step_overhead_s=1e-3,
+                               seq_overhead_s=1e-5), LLAMA_8B)
+    base = model.step_time(shape(seqs=8, rows=8, decode=8, sampled=8, context=8000))
+    for bigger in (shape(seqs=9, rows=9, decode=9, sampled=9, context=8000),
+                   shape(seqs=8, rows=8, decode=8, sampled=8, context=9000),
+                   shape(seqs=8, rows=4000, decode=8, sampled=8, context=12000, pairs=4_000_000)):
+        assert model.step_time(bigger) > base
+
+
+def test_nnls_recovers_known_coefficients_and_sets_aside_disturbed_steps():
+    units = Hardware(name="units", peak_tflops=0.15, bandwidth_tbps=0.025, dtype_bytes=4)
+    model = CostModel(units, TINY)
+    rng = np.random.default_rng(0)
+    shapes = []
+    for _ in range(200):
+        seqs = int(rng.integers(1, 32))
+        prefill = int(rng.integers(0, 400)) if rng.random() < 0.3 else 0
+        rows = seqs + prefill
+        context = seqs * int(rng.integers(16, 400))
+        shapes.append(shape(seqs=seqs, rows=rows, decode=seqs, sampled=seqs, context=context,
+                            pairs=prefill * (prefill + 1) // 2))
+    truth = np.array([0.01, 0.0015, 0.4, 2.0, 7.0])
+    seconds = np.array([model.terms(s).fit_row() for s in shapes]) @ truth
+    seconds = seconds * rng.uniform(0.999, 1.001, size=len(seconds))  # timer-level noise
+    seconds[::20] *= 10  # every 20th step disturbed by another process
+    fit = fit_coefficients([model.terms(s) for s in shapes], seconds.tolist())
+    assert fit.num_kept == 190 and fit.r_squared > 0.99
+    assert np.allclose(list(fit.coefficients.values()), truth, rtol=0.05)
+
+
+def test_kv_capacity_from_memory_by_hand():
+    h100 = Hardware(name="h100", peak_tflops=989, bandwidth_tbps=3.35, memory_gb=80)
+    # (80 GB x 0.9 - 8.03e9 params x 2 bytes) / (2 x 32 layers x 8 heads x 128 x 2 bytes)
+    assert kv_capacity_from_memory(h100, LLAMA_8B, 0.9) == int((72e9 - 8_030_261_248 * 2) // 131072)
+    with pytest.raises(ValueError, match="tensor_parallel"):
+        seventy = model_config_for_costs(yaml.safe_load((CONF_DIR / "model" / "llama-3.1-70b.yaml").read_text())["hf_config"])
+        kv_capacity_from_memory(h100, seventy, 0.9)
+
+
+DATASHEETS = {  # name: (TB/s, dense bf16 TFLOP/s, GB) as the issue gives them
+    "a100-80gb": (2.0, 312, 80), "h100": (3.35, 989, 80), "h200": (4.8, 989, 141), "l4": (0.3, 121, 24),
+    "rtx4090": (1.0, 165, 24),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DATASHEETS))
+def test_presets_carry_the_datasheet_and_say_projected(name):
+    llm = SimulatedLLM(model="llama-3.1-8b", hardware=name)
+    hw = llm.hardware
+    assert (hw.bandwidth_tbps, hw.peak_tflops, hw.memory_gb) == DATASHEETS[name]
+    assert llm.describe()["timing"].startswith("projected, uncalibrated")
+    assert llm.cache.stats().capacity_tokens == pytest.approx(kv_capacity_from_memory(hw, LLAMA_8B, 0.9), abs=16)
+
+
+def test_unknown_names_list_the_known_ones():
+    with pytest.raises(ValueError, match="unknown hardware 'tpu'.*h100"):
+        SimulatedLLM(model="tiny", hardware="tpu")
+    with pytest.raises(ValueError, match="unknown model 'gpt-9'.*llama-3.1-8b"):
+        SimulatedLLM(model="gpt-9", hardware="h100")
+
+
+def test_tensor_parallel_makes_70b_fit_and_scales_the_peaks():
+    with pytest.raises(ValueError, match="leave no KV memory on h100.*tensor_parallel"):
+        SimulatedLLM(model="llama-3.1-70b", hardware="h100")
+    from omegaconf import OmegaConf
+
+    from engine.config import engine_config, load_group_option
+
+    cfg = engine_config("llama-3.1-70b", "paged", "continuous", "torch_sdpa", "cpu", "float32", "random", 0, {}, {})
+    cfg.hardware = load_group_option("hardware", "h100", {"tensor_parallel": 2})
+    engine = SimulatedLLM.from_config(OmegaConf.create(cfg))
+    weights = parameter_count(engine.model_config) * 2
+    assert engine.cache.stats().capacity_tokens == pytest.approx((160e9 * 0.9 - weights) / 327680, abs=16)
+    assert engine.hardware.flops_per_s == 2 * 989e12 and "tp=2" in engine.describe()["timing"]
