@@ -113,7 +113,8 @@ def axis_columns(frame: pd.DataFrame) -> list[str]:
     """Columns that distinguish runs: varying labels, then varying overrides not already covered."""
     labels = varying(frame, LABEL_COLUMNS)
     overrides = [c for c in frame.columns if c.startswith("override:")]
-    covered = {f"override:{c}" for c in labels} | {"override:workload.concurrency", "override:cache.block_size"}
+    covered = {f"override:{c}" for c in labels} | {"override:workload.concurrency", "override:workload.num_users",
+                                                     "override:cache.block_size"}  # shown as concurrency / block_size
     return labels + [c for c in varying(frame, overrides) if c not in covered]
 
 
