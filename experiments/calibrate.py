@@ -28,7 +28,7 @@ from omegaconf import OmegaConf
 
 from engine.step_shape import StepShape
 from experiments.safe_files import write_text_file
-from simulator.cost_model import CostModel, Fit, StepTerms, fit_coefficients
+from simulator.cost_model import CostModel, Fit, fit_coefficients
 from simulator.hardware import Hardware
 from simulator.model_shapes import hf_config_of, model_config_for_costs
 

@@ -20,7 +20,7 @@ from experiments.metrics import (
     SLO, e2e, e2e_including_client_queue, itls, meets_slo, queue_time, tpot, ttft,
 )
 from experiments.records import RequestRecord
-from experiments.safe_files import unique_path, write_file, write_text_file  # noqa: F401 (unique_path: re-exported)
+from experiments.safe_files import write_file, write_text_file
 
 log = logging.getLogger(__name__)
 

@@ -30,14 +30,13 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
 
 from engine import LLM, SamplingParams
-from engines import build_engine, one_thread  # noqa: F401 (fixture)
+from engines import build_engine
 
 CACHES = ["contiguous", "paged", "prefix"]
 SCHEDULERS = ["static", "continuous", "preemptive"]
 MAX_MODEL_LEN = 256  # the tiny test checkpoint's
 MAX_TOKENS = 10
 STEMS = [(), (31, 32, 33, 34, 35, 36, 37, 38), (31, 32, 33, 34, 40, 41)]  # shared prefixes (block sizes 2 and 4)
-pytestmark = pytest.mark.usefixtures("one_thread")
 FAST_START = {"prepack": False, "fused_ops": False}  # skip weight packing: many small engines are built
 
 

@@ -14,10 +14,9 @@ import random
 import pytest
 
 from engine import LLM, SamplingParams
-from engines import build_engine, one_thread  # noqa: F401 (fixture)
+from engines import build_engine
 from hf_reference import hf_greedy
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 CACHES = ["contiguous", "paged", "prefix"]
 SCHEDULERS = ["static", "continuous", "preemptive"]
 CHEAP_ATTENTIONS = ["torch_sdpa", "eager", "cpu_paged"]
