@@ -387,24 +387,27 @@ class LLM:
     def append_token(self, seq: Sequence, token: int, now: float) -> bool:
         """Append a sampled token (and its text); returns True if the sequence just finished.
 
-        It finishes with ``"stop"`` at EOS (unless ``ignore_eos``), a stop token or a stop string
-        (the text is cut where the stop string begins), else with ``"length"`` at ``max_tokens``.
+        It finishes with ``"stop"`` at a stop string (the text is cut where it begins), EOS (unless
+        ``ignore_eos``) or a stop token, else with ``"length"`` at ``max_tokens``; a finished
+        request's text releases any bytes held back (:meth:`IncrementalDetokenizer.flush`).
         """
         seq.token_ids.append(token)
         seq.token_times.append(now)
         params = seq.sampling_params
         new_text = seq.detokenizer.append(token) if seq.detokenizer is not None else ""
         stop_at = find_stop_string(seq.detokenizer.text, len(new_text), params.stop) if new_text and params.stop else None
-        if token in params.stop_token_ids or (not params.ignore_eos and token in self.model_config.eos_token_ids):
-            seq.finish_reason = "stop"
-        elif stop_at is not None:
+        if stop_at is not None:
             seq.detokenizer.truncate(stop_at)
-            seq.finish_reason = "stop"
+            reason = "stop"
+        elif token in params.stop_token_ids or (not params.ignore_eos and token in self.model_config.eos_token_ids):
+            reason = "stop"
         elif seq.num_output_tokens >= params.max_tokens:
-            seq.finish_reason = "length"
+            reason = "length"
         else:
             return False
-        self.finish(seq, seq.finish_reason, now)
+        if seq.detokenizer is not None and stop_at is None:
+            seq.detokenizer.flush()
+        self.finish(seq, reason, now)
         return True
 
     def record_step(self, plan: SchedulerOutput, start: float, shape: StepShape) -> None:

@@ -27,7 +27,8 @@ import pandas as pd
 from omegaconf import OmegaConf
 
 from engine.step_shape import StepShape
-from simulator.cost_model import CostModel, Fit, StepTerms, fit_coefficients
+from experiments.safe_files import write_text_file
+from simulator.cost_model import CostModel, Fit, fit_coefficients
 from simulator.hardware import Hardware
 from simulator.model_shapes import hf_config_of, model_config_for_costs
 
@@ -162,8 +163,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    target.write_text(hardware_yaml(args.name, fit, about, args.run_dirs, args.peak_tflops, args.bandwidth_tbps, when,
-                                     args.note.replace('"', "'")))
+    # crash-safe; replaces an existing file only with --overwrite (checked above)
+    write_text_file(hardware_yaml(args.name, fit, about, args.run_dirs, args.peak_tflops, args.bandwidth_tbps, when,
+                                  args.note.replace('"', "'")),
+                    target, replace=args.overwrite)
     print(f"wrote {target}: use it as hardware={args.name}")
     return 0
 

@@ -5,10 +5,15 @@ One decode step's attention over every layer of a model shape (default SmolLM2-1
 ``shared_tokens // block_size`` blocks are the same physical blocks (what ``cache=prefix``
 produces) followed by ``own_tokens`` private tokens each. K/V are random; both backends read
 the same caches. The two backends alternate rep by rep (so machine noise hits both) and the
-medians are reported, with their ratio. The engine-level counterpart (whole decode steps of
-the real model) is ``python run.py +experiment=shared_prefix_attention``.
+medians are reported, with their ratio.
+
+``--engine MODEL`` measures whole engine decode steps instead: two ``LLM``s (``cache=prefix``,
+one per backend) serve the same users (a leader first, so everyone else shares its prompt
+blocks), then take decode steps alternately; medians of ``StepRecord.duration_s``. The
+workload-driven counterpart is ``python run.py +experiment=shared_prefix_attention``.
 
     python -m experiments.cascade_bench --users 1 8 16 30 --shared-tokens 500
+    python -m experiments.cascade_bench --engine smollm2-135m --users 8 16 30 --threads 1
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ import time
 
 import torch
 
+from engine import LLM, SamplingParams
 from engine.attention_metadata import AttentionMetadata
 from strategies.attention.cpu_paged import CpuPagedBackend
 from strategies.attention.cpu_paged_cascade import CpuPagedCascadeBackend
@@ -59,6 +65,36 @@ def time_step(backend, caches, metadata, rows, scale: float) -> float:
     return time.perf_counter() - start
 
 
+def engine_decode_steps(model: str, users: int, shared_tokens: int, own_tokens: int, reps: int) -> dict[str, list[float]]:
+    """Interleaved whole decode steps (seconds) of ``cpu_paged`` and ``cpu_paged_cascade`` engines."""
+    names = ("cpu_paged", "cpu_paged_cascade")
+    llms = {name: LLM(model=model, cache="prefix", attention=name, device="cpu", max_num_seqs=max(users, 1))
+            for name in names}
+    vocab = llms[names[0]].model_config.vocab_size
+    generator = torch.Generator().manual_seed(0)
+    shared = torch.randint(10, vocab - 10, (shared_tokens,), generator=generator).tolist()
+    prompts = [shared + torch.randint(10, vocab - 10, (own_tokens,), generator=generator).tolist() for _ in range(users)]
+    params = SamplingParams(max_tokens=reps + 8, ignore_eos=True)
+    for llm in llms.values():
+        llm.add_request(prompts[0], params)
+        llm.step()  # the leader's prefill publishes the shared blocks
+        for prompt in prompts[1:]:
+            llm.add_request(prompt, params)
+        while llm.step_records[-1].num_prefill_tokens:  # the others' prefill (prefix hits)
+            llm.step()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for _ in range(reps):
+        for name in names:
+            llms[name].step()
+            record = llms[name].step_records[-1]
+            if record.num_prefill_tokens or record.num_seqs != users:
+                raise RuntimeError(f"expected a decode step of {users} users, got {record}")
+            times[name].append(record.duration_s)
+    if users >= 2 and not llms["cpu_paged_cascade"].attention.stats.cascade_calls:
+        raise RuntimeError("the cascade path never ran: the users do not share prefix blocks")
+    return times
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--users", type=int, nargs="+", default=[1, 8, 16, 30])
@@ -71,9 +107,19 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--threads", type=int, default=None, help="torch / OpenMP threads (default: torch's)")
+    parser.add_argument("--engine", metavar="MODEL", default=None, help="time whole engine decode steps of this model")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.engine:
+        print(f"engine={args.engine} threads={torch.get_num_threads()} shared={args.shared_tokens} own={args.own_tokens}")
+        print("| users | cpu_paged step ms | cpu_paged_cascade step ms | speedup |")
+        print("| --- | --- | --- | --- |")
+        for users in args.users:
+            times = engine_decode_steps(args.engine, users, args.shared_tokens, args.own_tokens, args.reps)
+            p, c = statistics.median(times["cpu_paged"]), statistics.median(times["cpu_paged_cascade"])
+            print(f"| {users} | {p * 1e3:.1f} | {c * 1e3:.1f} | {p / c:.2f}x |", flush=True)
+        return
     plain, cascade = CpuPagedBackend(), CpuPagedCascadeBackend()
     print(f"threads={torch.get_num_threads()} layers={args.layers} heads={args.heads}/{args.kv_heads} "
           f"head_dim={args.head_dim} shared={args.shared_tokens} own={args.own_tokens} block={args.block_size}")

