@@ -1,6 +1,6 @@
 """Fit the simulator's cost model to real runs: ``conf/hardware/<NAME>.yaml`` from ``steps.csv``.
 
-    python -m experiments.calibrate results/runs/<time> [more run dirs] --name cpu-2core
+    python -m experiments.calibrate results/runs/<time> [more run dirs] --name cpu-1thread
 
 Each run folder holds the resolved ``config.yaml`` (which model, which dtype) and ``steps.csv``
 (one row per engine step: its shape and measured duration). The fit is non-negative least
