@@ -12,7 +12,9 @@ as context; each step decodes ``tokens[prefix_offset:read_offset]`` and ``tokens
 and emits the difference — unless the new decode ends in "�", i.e. the last token stopped in the
 middle of a character: then nothing is emitted and the bytes wait for the next token. Both decodes
 cover a handful of tokens, so each step costs O(1). The first output token gets the prompt's last
-few tokens as context.
+few tokens as context. When the request finishes, bytes still held back are released
+(:meth:`IncrementalDetokenizer.flush`), so a finished request's text is the full decode of its
+output (a character cut by ``max_tokens`` shows as U+FFFD).
 
 Special tokens (EOS, chat-turn markers) are skipped, as in vLLM's default.
 """
@@ -52,6 +54,15 @@ class IncrementalDetokenizer:
         self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
         self.text += delta
         return delta
+
+    def flush(self) -> str:
+        """The request finished: release held-back bytes too (they decode to U+FFFD), so the
+        final text is the full decode of the output. Returns what was released."""
+        before = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
+        rest = self._decode(self.token_ids[self.prefix_offset:])[len(before):]
+        self.prefix_offset = self.read_offset = len(self.token_ids)
+        self.text += rest
+        return rest
 
     def truncate(self, length: int) -> None:
         """Cut the text to its first ``length`` characters (a stop string was found there)."""

@@ -161,8 +161,7 @@ class LLM:
         self.fused = self.apply_fused_ops(fused_ops)
         self.kept_freed_memory = self.apply_keep_freed_memory(keep_freed_memory)
         mc: ModelConfig = self.model_config
-        self.build_scheduling(cfg)
-        self.cache.allocate_tensors(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, self.dtype, self.device)
+        self.build_scheduling(cfg, allocate_kv=True)
         self.attention = instantiate_strategy(cfg.attention)
         self.runner = ModelRunner(self.model, self.cache, self.attention, self.device)
         if cuda_graphs and self.device.type == "cuda":
@@ -175,13 +174,17 @@ class LLM:
             )
         self.sampler = Sampler(cfg.seed)
 
-    def build_scheduling(self, cfg: DictConfig) -> None:
+    def build_scheduling(self, cfg: DictConfig, allocate_kv: bool) -> None:
         """The model-independent half of the engine: cache and scheduler from ``cfg.cache`` /
         ``cfg.scheduler`` (Hydra instantiate), the step records and the per-request bookkeeping. Needs
-        ``self.model_config``; the simulator (``simulator/``) builds on this alone."""
+        ``self.model_config``; the simulator (``simulator/``) builds on this alone, without KV tensors
+        (``allocate_kv=False``). The tensors exist before the scheduler is built: swap preemption
+        sizes its host pool from them."""
         mc: ModelConfig = self.model_config
         self.cache = instantiate_strategy(cfg.cache)
         self.cache.bind_model_limits(mc.max_model_len)
+        if allocate_kv:
+            self.cache.allocate_tensors(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, self.dtype, self.device)
         self.scheduler = instantiate_strategy(cfg.scheduler, cache=self.cache, max_model_len=mc.max_model_len)
         self.step_records: list[StepRecord] = []
         self.request_counter = itertools.count()
@@ -384,24 +387,27 @@ class LLM:
     def append_token(self, seq: Sequence, token: int, now: float) -> bool:
         """Append a sampled token (and its text); returns True if the sequence just finished.
 
-        It finishes with ``"stop"`` at EOS (unless ``ignore_eos``), a stop token or a stop string
-        (the text is cut where the stop string begins), else with ``"length"`` at ``max_tokens``.
+        It finishes with ``"stop"`` at a stop string (the text is cut where it begins), EOS (unless
+        ``ignore_eos``) or a stop token, else with ``"length"`` at ``max_tokens``; a finished
+        request's text releases any bytes held back (:meth:`IncrementalDetokenizer.flush`).
         """
         seq.token_ids.append(token)
         seq.token_times.append(now)
         params = seq.sampling_params
         new_text = seq.detokenizer.append(token) if seq.detokenizer is not None else ""
         stop_at = find_stop_string(seq.detokenizer.text, len(new_text), params.stop) if new_text and params.stop else None
-        if token in params.stop_token_ids or (not params.ignore_eos and token in self.model_config.eos_token_ids):
-            seq.finish_reason = "stop"
-        elif stop_at is not None:
+        if stop_at is not None:
             seq.detokenizer.truncate(stop_at)
-            seq.finish_reason = "stop"
+            reason = "stop"
+        elif token in params.stop_token_ids or (not params.ignore_eos and token in self.model_config.eos_token_ids):
+            reason = "stop"
         elif seq.num_output_tokens >= params.max_tokens:
-            seq.finish_reason = "length"
+            reason = "length"
         else:
             return False
-        self.finish(seq, seq.finish_reason, now)
+        if seq.detokenizer is not None and stop_at is None:
+            seq.detokenizer.flush()
+        self.finish(seq, reason, now)
         return True
 
     def record_step(self, plan: SchedulerOutput, start: float, shape: StepShape) -> None:
@@ -433,7 +439,7 @@ class LLM:
                 swap_time_s=stats.swap_time_s - before.swap_time_s,
                 num_sampled=shape.num_sampled,
                 context_tokens=shape.context_tokens,
-                attention_pairs=shape.attention_pairs,
+                prefill_attention_pairs=shape.prefill_attention_pairs,
             )
         )
 

@@ -88,7 +88,7 @@ class StepRecord:
         swap_time_s: seconds of this step spent copying swapped blocks (inside ``duration_s``).
         num_sampled: rows whose logits the step computed (the LM head's rows).
         context_tokens: keys read by attention, summed over the step's sequences (KV read).
-        attention_pairs: causal query-key pairs of the step (the quadratic prefill term);
+        prefill_attention_pairs: causal query-key pairs of the step's prompt / chunk rows (the quadratic prefill term);
             see :mod:`engine.step_shape`. ``None`` where an engine does not know them (peers).
     """
 
@@ -115,4 +115,4 @@ class StepRecord:
     swap_time_s: float = 0.0
     num_sampled: int | None = None
     context_tokens: int | None = None
-    attention_pairs: int | None = None
+    prefill_attention_pairs: int | None = None

@@ -1,4 +1,4 @@
-"""Next-token selection: greedy, temperature, top-k, top-p, and per-request seeds.
+"""Next-token selection: greedy, temperature, min-p, top-k, top-p, and per-request seeds.
 
 Sampling uses the exponential race (``argmax(p / E)`` with ``E ~ Exp(1)`` i.i.d. per vocabulary
 entry), which draws exactly from ``p``. Its randomness is one noise vector per row, so a
@@ -38,19 +38,30 @@ class Sampler:
 
     @staticmethod
     def filtered_probs(logits: torch.Tensor, params) -> torch.Tensor:
-        """Temperature, then top-k and top-p masks, as probabilities in vocabulary order."""
+        """The distribution each row samples from, in vocabulary order (vLLM's order of filters):
+
+        1. temperature: ``p = softmax(logits / T)``;
+        2. min-p: drop tokens with ``p_i < min_p * max(p)``;
+        3. top-k: keep the ``k`` most likely of the rest;
+        4. top-p: renormalise what is left and keep its smallest head whose mass reaches
+           ``top_p`` (the token that crosses it included; the most likely always stays);
+        5. renormalise.
+        """
         vocab_size = logits.shape[-1]
         device = logits.device
         temperatures = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=device)
+        min_p = torch.tensor([p.min_p for p in params], device=device)
         top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params], device=device)
         top_p = torch.tensor([p.top_p for p in params], device=device)
-        sorted_logits, sorted_ids = (logits / temperatures[:, None]).sort(dim=-1, descending=True)
-        sorted_probs = sorted_logits.softmax(dim=-1)
+        scaled = logits / temperatures[:, None]
+        probs = scaled.softmax(dim=-1)
+        scaled = scaled.masked_fill(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), float("-inf"))
+        sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True)
         ranks = torch.arange(vocab_size, device=device)
+        sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= top_k[:, None], float("-inf"))
+        sorted_probs = sorted_logits.softmax(dim=-1)
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        # Keep the top_k best, and the smallest head whose mass reaches top_p (always >= 1 token).
-        drop = (ranks[None, :] >= top_k[:, None]) | (mass_before >= top_p[:, None])
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        sorted_logits = sorted_logits.masked_fill(mass_before >= top_p[:, None], float("-inf"))
         return torch.zeros_like(logits).scatter_(1, sorted_ids, sorted_logits.softmax(dim=-1))
 
     def exponential_noise(self, shape: torch.Size, seqs: list[Sequence]) -> torch.Tensor:

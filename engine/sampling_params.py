@@ -12,7 +12,9 @@ class SamplingParams:
         max_tokens: number of tokens to generate (at least 1).
         temperature: 0 means greedy (argmax); otherwise logits are divided by it.
         top_k: keep only the k most likely tokens (0 or -1 = no limit).
-        top_p: keep the smallest set of tokens whose probability sums to >= top_p (1.0 = no limit).
+        top_p: keep the smallest set of tokens whose probability sums to >= top_p (1.0 = no limit),
+            measured on what min_p and top_k left (vLLM's order of filters).
+        min_p: drop tokens less likely than ``min_p`` times the most likely one (0.0 = no limit).
         seed: a per-request seed; the request then samples the same tokens whatever else
             is in the batch and whichever strategies run. ``None`` uses the engine's generator.
         ignore_eos: keep generating after the end-of-sequence token (benchmarks use this).
@@ -34,6 +36,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     priority: int = 0
     stop: tuple[str, ...] = ()
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -47,6 +50,8 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.top_k < -1:
             raise ValueError(f"top_k must be -1, 0 (no limit) or positive, got {self.top_k}")
         if isinstance(self.priority, bool) or not isinstance(self.priority, int):

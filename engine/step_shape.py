@@ -9,9 +9,12 @@ prices the very same shape (``simulator/cost_model.py``):
 * decode tokens: single next-token rows of sequences that already produced output;
 * context tokens: the sum over sequences of the keys each one's last row attends to
   (``start + num_new``), i.e. the KV cache read by attention;
-* attention pairs: query-key pairs under the causal mask, ``sum_j (start + j + 1)`` over the
-  new rows ``j`` of each sequence, ``num_new * start + num_new * (num_new + 1) / 2``: the
-  quadratic prefill-attention term (for a decode row it equals the context length).
+* prefill attention pairs: query-key pairs under the causal mask, ``sum_j (start + j + 1)`` over
+  the new rows ``j`` of each sequence computing more than one row (a prompt or a chunk),
+  ``num_new * start + num_new * (num_new + 1) / 2``: the quadratic prefill-attention term. A
+  single-row step of a sequence (decode) reads its context once: that is the context term, and
+  it is left out here so the two kinds of attention (compute-bound prefill, memory-bound decode)
+  stay separate terms of the cost.
 
 Computed before the step updates ``num_computed_tokens``.
 """
@@ -34,7 +37,7 @@ class StepShape:
         num_wasted_slots: finished static-batch members recomputing their last token.
         num_sampled: rows whose logits are needed (a sequence's last uncomputed token).
         context_tokens: keys read by attention, summed over sequences.
-        attention_pairs: causal query-key pairs, summed over sequences.
+        prefill_attention_pairs: causal query-key pairs of sequences computing > 1 row this step.
     """
 
     num_seqs: int
@@ -43,7 +46,7 @@ class StepShape:
     num_wasted_slots: int
     num_sampled: int
     context_tokens: int
-    attention_pairs: int
+    prefill_attention_pairs: int
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -67,5 +70,6 @@ class StepShape:
             if end == num_tokens:
                 sampled += 1
             context += end
-            pairs += num_new * start + num_new * (num_new + 1) // 2
+            if num_new > 1:
+                pairs += num_new * start + num_new * (num_new + 1) // 2
         return cls(len(scheduled), rows, decode, wasted, sampled, context, pairs)

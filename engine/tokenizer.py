@@ -55,7 +55,8 @@ def render_chat(tokenizer: Any | None, messages: Sequence[Message]) -> str:
 
 def encode_chat(tokenizer: Any | None, messages: Sequence[Message]) -> list[int]:
     """The token ids of :func:`render_chat` (its special tokens are in the text: none are added)."""
-    return list(tokenizer.encode(render_chat(tokenizer, messages), add_special_tokens=False))
+    text = render_chat(tokenizer, messages)  # checks the tokenizer first
+    return list(tokenizer.encode(text, add_special_tokens=False))
 
 
 def decode(tokenizer: Any | None, token_ids: Sequence[int]) -> str:

@@ -27,7 +27,8 @@ import pandas as pd
 from omegaconf import OmegaConf
 
 from engine.step_shape import StepShape
-from simulator.cost_model import CostModel, Fit, StepTerms, fit_coefficients
+from experiments.safe_files import write_text_file
+from simulator.cost_model import CostModel, Fit, fit_coefficients
 from simulator.hardware import Hardware
 from simulator.model_shapes import hf_config_of, model_config_for_costs
 
@@ -36,7 +37,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 MIN_KEPT_SHARE = 0.75  # a fit that must set aside more steps than this share as disturbed is refused
 DISTURBED_RATIO = 1.5  # steps measured over this x their prediction are set aside (see fit_coefficients)
 NEEDED_COLUMNS = ("duration_s", "start_time", "end_time", "num_seqs", "num_prefill_tokens", "num_decode_tokens",
-                  "num_wasted_slots", "num_sampled", "context_tokens", "attention_pairs")
+                  "num_wasted_slots", "num_sampled", "context_tokens", "prefill_attention_pairs")
 
 
 def step_shapes(steps: pd.DataFrame) -> list[StepShape]:
@@ -44,9 +45,9 @@ def step_shapes(steps: pd.DataFrame) -> list[StepShape]:
     rows = steps.num_prefill_tokens + steps.num_decode_tokens + steps.num_wasted_slots
     return [
         StepShape(num_seqs=int(s), num_rows=int(r), num_decode_tokens=int(d), num_wasted_slots=int(w),
-                  num_sampled=int(n), context_tokens=int(c), attention_pairs=int(a))
+                  num_sampled=int(n), context_tokens=int(c), prefill_attention_pairs=int(a))
         for s, r, d, w, n, c, a in zip(steps.num_seqs, rows, steps.num_decode_tokens, steps.num_wasted_slots,
-                                       steps.num_sampled, steps.context_tokens, steps.attention_pairs)
+                                       steps.num_sampled, steps.context_tokens, steps.prefill_attention_pairs)
     ]
 
 
@@ -92,13 +93,14 @@ def calibrate(run_dirs: Sequence[Path], peak_tflops: float, bandwidth_tbps: floa
 
 
 def hardware_yaml(name: str, fit: Fit, about: dict, run_dirs: Sequence[Path], peak_tflops: float,
-                  bandwidth_tbps: float, when: str) -> str:
+                  bandwidth_tbps: float, when: str, note: str = "") -> str:
     c = fit.coefficients
     runs = ", ".join(str(p) for p in run_dirs)
     engine_options = {k: v for k, v in (about["engine"] or {}).items() if not k.startswith("_")}
     how = (f"python -m experiments.calibrate {' '.join(str(p) for p in run_dirs)} --name {name} ({when}); "
            f"{fit.num_kept} of {fit.num_steps} steps kept (the rest disturbed, > {DISTURBED_RATIO}x the fit), "
-           f"R^2 {fit.r_squared:.3f}, median |relative error| {fit.median_abs_rel_error:.1%}")
+           f"R^2 {fit.r_squared:.3f}, median |relative error| {fit.median_abs_rel_error:.1%}"
+           + (f"; {note}" if note else ""))
     return f"""# Calibrated on a real machine by experiments/calibrate.py: coefficients fitted (non-negative
 # least squares) to the step durations of {runs}.
 # Valid for model {about['model']} ({about['dtype']}) with attention {about['attention']} and engine
@@ -132,6 +134,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--min-r2", type=float, default=0.9, help="a fit with lower R^2: refuse to write")
     parser.add_argument("--out-dir", type=Path, default=HARDWARE_DIR, help="where hardware files live")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing file of that name")
+    parser.add_argument("--note", default="", help="how the runs were made, kept in the file (e.g. OMP_NUM_THREADS=1)")
     args = parser.parse_args(argv)
     target = args.out_dir / f"{args.name}.yaml"
     if target.exists() and not args.overwrite:
@@ -145,13 +148,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"fit on {fit.num_kept} of {fit.num_steps} steps ({fit.num_steps - fit.num_kept} set aside as disturbed): "
           f"R^2 {fit.r_squared:.3f}, median |relative error| {fit.median_abs_rel_error:.1%}, "
           f"coefficients {fit.coefficients}")
-    if fit.num_kept < args.min_steps:
-        print(f"too few steps ({fit.num_kept} usable < --min-steps {args.min_steps}): nothing written; "
-              "calibrate on a longer run (e.g. workload.concurrency=16)", file=sys.stderr)
-        return 1
     if fit.num_kept < MIN_KEPT_SHARE * fit.num_steps:
         print(f"only {fit.num_kept} of {fit.num_steps} steps fit the model within {DISTURBED_RATIO}x: the machine was "
               "too busy, or the model does not describe it; nothing written", file=sys.stderr)
+        return 1
+    if fit.num_kept < args.min_steps:
+        print(f"too few steps ({fit.num_kept} usable < --min-steps {args.min_steps}): nothing written; "
+              "calibrate on a longer run (e.g. workload.concurrency=16)", file=sys.stderr)
         return 1
     if fit.r_squared < args.min_r2:
         print(f"the fit explains too little (R^2 {fit.r_squared:.3f} < --min-r2 {args.min_r2}): nothing written; "
@@ -160,7 +163,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    target.write_text(hardware_yaml(args.name, fit, about, args.run_dirs, args.peak_tflops, args.bandwidth_tbps, when))
+    # crash-safe; replaces an existing file only with --overwrite (checked above)
+    write_text_file(hardware_yaml(args.name, fit, about, args.run_dirs, args.peak_tflops, args.bandwidth_tbps, when,
+                                  args.note.replace('"', "'")),
+                    target, replace=args.overwrite)
     print(f"wrote {target}: use it as hardware={args.name}")
     return 0
 

@@ -18,7 +18,7 @@ import pandas as pd
 from omegaconf import DictConfig
 
 from experiments.report import ReportCallback, axis_columns, collect, markdown_table
-from experiments.results import unique_path
+from experiments.results import write_csv, write_text_file
 
 IN_PROCESS, OVER_HTTP = "servelab", "servelab_http"
 METRICS = {"output_throughput": "tok/s", "ttft_s_p50": "TTFT p50 (s)", "ttft_s_p99": "TTFT p99 (s)"}
@@ -31,12 +31,14 @@ def overhead_table(frame: pd.DataFrame) -> pd.DataFrame:
     rows: list[dict[str, Any]] = []
     for key, group in (done.groupby(keys, sort=True, dropna=False) if keys else [((), done)]):
         row: dict[str, Any] = dict(zip(keys, key if isinstance(key, tuple) else (key,)))
-        medians = group.groupby("engine")[list(METRICS)].median()
-        runs = group.groupby("engine").size()
+        by_engine = group.groupby("engine")
+        medians, runs = by_engine[list(METRICS)].median(), by_engine.size()
+        low, high = by_engine["output_throughput"].min(), by_engine["output_throughput"].max()
         for engine, tag in ((IN_PROCESS, "in-process"), (OVER_HTTP, "HTTP")):
             row[f"{tag} runs"] = int(runs.get(engine, 0))
             for metric, label in METRICS.items():
                 row[f"{tag} {label}"] = medians.at[engine, metric] if engine in medians.index else None
+            row[f"{tag} tok/s range"] = f"{low[engine]:.1f}-{high[engine]:.1f}" if engine in medians.index else None
         if {IN_PROCESS, OVER_HTTP} <= set(medians.index):
             row["HTTP / in-process tok/s"] = medians.at[OVER_HTTP, "output_throughput"] / medians.at[IN_PROCESS, "output_throughput"]
             row["HTTP / in-process TTFT p50"] = medians.at[OVER_HTTP, "ttft_s_p50"] / medians.at[IN_PROCESS, "ttft_s_p50"]
@@ -46,9 +48,9 @@ def overhead_table(frame: pd.DataFrame) -> pd.DataFrame:
 
 def write_overhead_table(root: Path) -> str:
     table = overhead_table(collect(root))
-    table.to_csv(unique_path(root / "http_vs_inprocess.csv"), index=False)
+    write_csv(table, root / "http_vs_inprocess.csv")
     text = markdown_table(table, list(table.columns))
-    unique_path(root / "http_vs_inprocess.md").write_text(text + "\n")
+    write_text_file(text + "\n", root / "http_vs_inprocess.md")
     return text
 
 

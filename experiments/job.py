@@ -17,11 +17,13 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.driver import drive, warm_up
+from experiments.environment import environment
 from experiments.metrics import SLO, priority_class_metrics, queueing_metrics, request_metrics, step_metrics
 from experiments.plots import plot_run
 from experiments.records import fill_priorities, fill_texts
 from experiments.results import (
-    requests_frame, sample_answers, steps_frame, summary_markdown, summary_table, unique_path, write_csv, write_json,
+    requests_frame, sample_answers, steps_frame, summary_markdown, summary_table, write_csv, write_file, write_json,
+    write_text_file,
 )
 from experiments.workloads import special_token_ids, tokenize_requests, warmup_requests
 
@@ -66,11 +68,11 @@ def run_labels(cfg: DictConfig, choices: dict[str, Any], overrides: list[str]) -
 
 
 def _measure(cfg: DictConfig, out_dir: Path, summary: dict[str, Any]) -> list[Path]:
-    files = [unique_path(out_dir / "config.yaml")]
-    OmegaConf.save(cfg, files[0], resolve=True)
+    files = [write_file(out_dir / "config.yaml", lambda partial: OmegaConf.save(cfg, partial, resolve=True))]
     slo = SLO(**OmegaConf.to_container(cfg.slo, resolve=True))
     setup_start = time.perf_counter()
     engine = instantiate(cfg.engine)(cfg)
+    summary["environment"] = environment(engine)
     try:
         model_config = engine.model_config
         if hasattr(engine, "describe"):  # the simulator: what its times are (projected or calibrated)
@@ -130,8 +132,6 @@ def execute(cfg: DictConfig, out_dir: Path, choices: dict[str, Any], overrides: 
         log.error("run failed: %s", summary["error"])
     summary["files"] = [p.name for p in files]
     files.append(write_json(summary, out_dir / "summary.json"))
-    markdown = unique_path(out_dir / "summary.md")
-    markdown.write_text(summary_markdown(summary))
-    files.append(markdown)
+    files.append(write_text_file(summary_markdown(summary), out_dir / "summary.md"))
     print(f"\n{summary_table(summary)}\n\nresults: {out_dir}")
     return JobOutcome(summary=summary, error=error, files=files)

@@ -19,7 +19,7 @@ import pandas as pd
 from omegaconf import DictConfig
 
 from experiments.report import ReportCallback, collect, markdown_table
-from experiments.results import unique_path
+from experiments.results import write_csv, write_text_file
 
 SERVELAB = "servelab"
 METRICS = {"output_throughput": "output tok/s", "ttft_s_p50": "TTFT p50 (s)", "ttft_s_p99": "TTFT p99 (s)"}  # medians
@@ -51,9 +51,9 @@ def peer_table(frame: pd.DataFrame) -> pd.DataFrame:
 
 def write_peer_table(root: Path) -> str:
     table = peer_table(collect(root))
-    table.to_csv(unique_path(root / "peer_table.csv"), index=False)
+    write_csv(table, root / "peer_table.csv")
     text = markdown_table(table, list(table.columns))
-    unique_path(root / "peer_table.md").write_text(text + "\n")
+    write_text_file(text + "\n", root / "peer_table.md")
     return text
 
 

@@ -71,6 +71,8 @@ def load_hf_model(cfg: DictConfig, attn_implementation: str) -> tuple[Any, Model
 def _check_greedy(sampling_params: SamplingParams) -> None:
     if not sampling_params.greedy:
         raise NotImplementedError("HF peers support greedy decoding only (temperature=0)")
+    if sampling_params.stop:
+        raise NotImplementedError("HF peers do not support stop strings (SamplingParams.stop)")
 
 
 def truncate_output(token_ids: list[int], params: SamplingParams, eos_token_ids: tuple[int, ...]) -> tuple[list[int], str]:

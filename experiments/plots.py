@@ -10,16 +10,16 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from experiments.results import unique_path  # noqa: E402
+from experiments.safe_files import write_file  # noqa: E402
 
 
 def save_figure(fig: plt.Figure, path: Path) -> Path:
-    """Save ``fig`` as PNG at ``path`` (or a suffixed name if it exists) and close it."""
-    path = unique_path(path)
+    """Save ``fig`` as PNG at ``path`` (or a suffixed name if it exists), crash-safely, and close it."""
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    try:
+        return write_file(path, lambda partial: fig.savefig(partial, dpi=110))
+    finally:
+        plt.close(fig)
 
 
 def _has(frame: pd.DataFrame, column: str) -> bool:

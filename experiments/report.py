@@ -5,7 +5,9 @@
 Every job folder under the sweep (one with ``summary.json`` or a ``.hydra`` folder) becomes one
 row of ``report.csv`` / ``report.md``: its status, its swept overrides as columns, the run labels
 (engine, cache, scheduler, attention, concurrency, block_size...) and every summary metric. A job
-that crashed before writing ``summary.json`` is listed as failed. Plots (when their axis varies):
+that crashed before writing ``summary.json`` is listed as failed; one whose files cannot be read
+(truncated by a crash of an older version, damaged) is listed as ``unreadable`` with the reason,
+and the report goes on. Plots (when their axis varies):
 output tok/s and TTFT p50/p99 vs concurrency per strategy, TTFT CDF, KV usage over time,
 block-size sweep.
 """
@@ -30,7 +32,7 @@ from omegaconf import DictConfig  # noqa: E402
 
 from experiments.metrics import decode_seconds_per_1k_context  # noqa: E402
 from experiments.plots import save_figure  # noqa: E402
-from experiments.results import unique_path  # noqa: E402
+from experiments.results import write_csv, write_text_file  # noqa: E402
 
 LABEL_COLUMNS = ["engine", "hardware", "model", "cache", "scheduler", "attention", "workload", "concurrency", "block_size",
                  "capacity_tokens", "max_num_seqs", "dtype", "seed"]
@@ -61,17 +63,36 @@ def parse_overrides(job: Path) -> dict[str, str]:
     return pairs
 
 
+#: what reading a damaged file raises (JSON, CSV and YAML parse errors are ValueErrors or YAMLError)
+UNREADABLE = (OSError, ValueError, yaml.YAMLError)
+
+
+def read_summary(file: Path) -> dict[str, Any]:
+    summary = json.loads(file.read_text())
+    if not isinstance(summary, dict):
+        raise ValueError(f"expected a JSON object, got {type(summary).__name__}")
+    return summary
+
+
 def job_row(root: Path, job: Path) -> dict[str, Any]:
     row: dict[str, Any] = {"job": str(job.relative_to(root)) or "."}
-    overrides = parse_overrides(job)
+    try:
+        overrides = parse_overrides(job)
+    except UNREADABLE as error:
+        overrides = {}
+        row["error"] = f"unreadable .hydra/overrides.yaml ({type(error).__name__}: {error})"
     summary_file = job / "summary.json"
-    if summary_file.is_file():
-        summary = json.loads(summary_file.read_text())
-        row.update(status=summary.get("status"), error=summary.get("error"))
-        row.update({k: v for k, v in summary.get("run", {}).items() if k != "overrides"})
-        row.update(summary.get("metrics", {}))
-    else:
+    if not summary_file.is_file():
         row.update(status="failed", error="no summary.json: the job died before writing it")
+    else:
+        try:
+            summary = read_summary(summary_file)
+        except UNREADABLE as error:
+            row.update(status="unreadable", error=f"unreadable summary.json ({type(error).__name__}: {error})")
+        else:
+            row.update(status=summary.get("status"), error=summary.get("error"))
+            row.update({k: v for k, v in summary.get("run", {}).items() if k != "overrides"})
+            row.update(summary.get("metrics", {}))
     row.update({f"override:{k}": v for k, v in overrides.items()})
     return row
 
@@ -92,7 +113,8 @@ def axis_columns(frame: pd.DataFrame) -> list[str]:
     """Columns that distinguish runs: varying labels, then varying overrides not already covered."""
     labels = varying(frame, LABEL_COLUMNS)
     overrides = [c for c in frame.columns if c.startswith("override:")]
-    covered = {f"override:{c}" for c in labels} | {"override:workload.concurrency", "override:cache.block_size"}
+    covered = {f"override:{c}" for c in labels} | {"override:workload.concurrency", "override:workload.num_users",
+                                                     "override:cache.block_size"}  # shown as concurrency / block_size
     return labels + [c for c in varying(frame, overrides) if c not in covered]
 
 
@@ -130,6 +152,8 @@ def markdown_table(frame: pd.DataFrame, columns: Sequence[str]) -> str:
 
 def plot_vs(frame: pd.DataFrame, x: str, metrics: Sequence[tuple[str, str]], path: Path, groups: Sequence[str]) -> Path | None:
     """One subplot per metric, one line per strategy (the other varying columns), x on the axis."""
+    if x not in frame or any(metric not in frame for metric, _ in metrics):  # e.g. summaries of an older version
+        return None
     ok = frame[frame["status"] == "ok"].dropna(subset=[x])
     if ok[x].nunique() < 2:
         return None
@@ -145,18 +169,25 @@ def plot_vs(frame: pd.DataFrame, x: str, metrics: Sequence[tuple[str, str]], pat
     return save_figure(fig, path)
 
 
-def job_tables(root: Path, frame: pd.DataFrame, name: str) -> Iterator[tuple[pd.Series, pd.DataFrame]]:
-    """``(report row, table)`` for every successful job that wrote the CSV file ``name``."""
+def job_tables(root: Path, frame: pd.DataFrame, name: str, problems: list[str]) -> Iterator[tuple[pd.Series, pd.DataFrame]]:
+    """``(report row, table)`` for every successful job that wrote the CSV file ``name``; a file
+    that cannot be read is skipped and named in ``problems``."""
     for _, row in frame[frame["status"] == "ok"].iterrows():
         file = root / row["job"] / name
-        if file.is_file():
-            yield row, pd.read_csv(file)
+        if not file.is_file():
+            continue
+        try:
+            table = pd.read_csv(file)
+        except UNREADABLE as error:
+            problems.append(f"job {row['job']}: unreadable {name} ({type(error).__name__}: {error}); left out of the plots")
+            continue
+        yield row, table
 
 
-def plot_ttft_cdf(root: Path, frame: pd.DataFrame, path: Path, groups: Sequence[str]) -> Path | None:
+def plot_ttft_cdf(root: Path, frame: pd.DataFrame, path: Path, groups: Sequence[str], problems: list[str]) -> Path | None:
     fig, ax = plt.subplots(figsize=(6, 4))
     drawn = 0
-    for row, requests in job_tables(root, frame, "requests.csv"):
+    for row, requests in job_tables(root, frame, "requests.csv", problems):
         values = np.sort(requests["ttft_s"].dropna().to_numpy())
         if values.size:
             ax.step(values, np.arange(1, values.size + 1) / values.size, where="post",
@@ -170,10 +201,10 @@ def plot_ttft_cdf(root: Path, frame: pd.DataFrame, path: Path, groups: Sequence[
     return save_figure(fig, path)
 
 
-def plot_kv_over_time(root: Path, frame: pd.DataFrame, path: Path, groups: Sequence[str]) -> Path | None:
+def plot_kv_over_time(root: Path, frame: pd.DataFrame, path: Path, groups: Sequence[str], problems: list[str]) -> Path | None:
     fig, ax = plt.subplots(figsize=(7, 4))
     drawn = 0
-    for row, steps in job_tables(root, frame, "steps.csv"):
+    for row, steps in job_tables(root, frame, "steps.csv", problems):
         if steps.empty or steps["kv_used_tokens"].isna().all():
             continue
         line = ax.step(steps["end_time"], steps["kv_used_tokens"], where="post",
@@ -205,18 +236,10 @@ def decode_scaling_lines(frame: pd.DataFrame) -> list[str]:
 
 
 def write_report(root: Path) -> list[Path]:
+    """report.csv, report.md and the plots; returns their paths (csv, md, then plots)."""
     frame = collect(root)
     axes = axis_columns(frame)
-    written = [unique_path(root / "report.csv")]
-    frame.to_csv(written[0], index=False)
-    per_class = [c for c in frame.columns if c.startswith("priority_") and ("ttft_s" in c)]
-    reported = [m for m in [*MARKDOWN_METRICS, *per_class] if m in frame and frame[m].notna().any()
-                and (m not in SHOWN_WHEN_NONZERO or (frame[m].fillna(0) != 0).any())]
-    headline = ["job", "status", *axes, *reported, "error"]
-    md = [f"# servelab report: {root}", "", f"{len(frame)} runs, {int((frame['status'] != 'ok').sum())} failed.", "",
-          markdown_table(frame, headline), "", *decode_scaling_lines(frame)]
-    written.append(unique_path(root / "report.md"))
-    written[-1].write_text("\n".join(md))
+    problems: list[str] = []
     not_x = lambda x: [c for c in axes if c not in (x, f"override:{x}")]  # noqa: E731
     plots = [
         plot_vs(frame, "concurrency", [("output_throughput", "output tok/s")], root / "throughput_vs_concurrency.png",
@@ -226,9 +249,20 @@ def write_report(root: Path) -> list[Path]:
         plot_vs(frame, "block_size", [("output_throughput", "output tok/s"),
                                       ("mean_kv_used_reserved_ratio", "mean KV used / reserved")],
                 root / "block_size_sweep.png", not_x("block_size")),
-        plot_ttft_cdf(root, frame, root / "ttft_cdf.png", axes),
-        plot_kv_over_time(root, frame, root / "kv_usage.png", axes),
+        plot_ttft_cdf(root, frame, root / "ttft_cdf.png", axes, problems),
+        plot_kv_over_time(root, frame, root / "kv_usage.png", axes, problems),
     ]
+    per_class = [c for c in frame.columns if c.startswith("priority_") and ("ttft_s" in c)]
+    reported = [m for m in [*MARKDOWN_METRICS, *per_class] if m in frame and frame[m].notna().any()
+                and (m not in SHOWN_WHEN_NONZERO or (frame[m].fillna(0) != 0).any())]
+    headline = ["job", "status", *axes, *reported, "error"]
+    broken = frame[frame["status"] != "ok"]
+    md = [f"# servelab report: {root}", "", f"{len(frame)} runs, {len(broken)} failed or unreadable.", "",
+          markdown_table(frame, headline), "", *decode_scaling_lines(frame)]
+    if len(broken) or problems:
+        md += ["## Runs left out", "", *[f"- job {row['job']}: {row['status']}: {row['error']}" for _, row in broken.iterrows()],
+               *[f"- {problem}" for problem in problems], ""]
+    written = [write_csv(frame, root / "report.csv"), write_text_file("\n".join(md), root / "report.md")]
     return written + [p for p in plots if p is not None]
 
 

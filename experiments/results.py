@@ -1,7 +1,8 @@
 """Write one run's result files (requests.csv, steps.csv, summary.json, summary.md).
 
-Column lists live here and are documented in docs/results_columns.md. No file is ever
-overwritten silently: if a name is taken, a warning is logged and ``name_1.ext``,
+Column lists live here and are documented in docs/results_columns.md. Every file is written
+crash-safely through :mod:`experiments.safe_files` (a temporary name, then an atomic link) and
+never overwritten silently: if a name is taken, a warning is logged and ``name_1.ext``,
 ``name_2.ext``... is written instead.
 """
 from __future__ import annotations
@@ -19,6 +20,7 @@ from experiments.metrics import (
     SLO, e2e, e2e_including_client_queue, itls, meets_slo, queue_time, tpot, ttft,
 )
 from experiments.records import RequestRecord
+from experiments.safe_files import write_file, write_text_file
 
 log = logging.getLogger(__name__)
 
@@ -35,19 +37,8 @@ STEP_COLUMNS = [
     "num_wasted_slots", "kv_used_tokens", "kv_reserved_tokens", "kv_capacity_tokens", "num_preempted",
     "prefix_hit_tokens", "num_waiting", "num_running", "forward_passes",
     "swap_out_blocks", "swap_in_blocks", "swap_out_bytes", "swap_in_bytes", "swap_time_s",
-    "num_sampled", "context_tokens", "attention_pairs",
+    "num_sampled", "context_tokens", "prefill_attention_pairs",
 ]
-
-
-def unique_path(path: Path) -> Path:
-    """``path`` if free, else the first free ``stem_<n>suffix`` (with a warning)."""
-    if not path.exists():
-        return path
-    n = 1
-    while (candidate := path.with_name(f"{path.stem}_{n}{path.suffix}")).exists():
-        n += 1
-    log.warning("%s exists; writing %s instead", path, candidate.name)
-    return candidate
 
 
 def requests_frame(records: Sequence[RequestRecord], slo: SLO) -> pd.DataFrame:
@@ -74,10 +65,8 @@ def steps_frame(steps: Sequence[dict[str, Any]]) -> pd.DataFrame:
     return pd.DataFrame([{c: s.get(c) for c in STEP_COLUMNS} for s in steps], columns=STEP_COLUMNS)
 
 
-def write_csv(frame: pd.DataFrame, path: Path) -> Path:
-    path = unique_path(path)
-    frame.to_csv(path, index=False)
-    return path
+def write_csv(frame: pd.DataFrame, path: Path, replace: bool = False) -> Path:
+    return write_file(path, lambda partial: frame.to_csv(partial, index=False), replace=replace)
 
 
 def _json_safe(value: Any) -> Any:
@@ -93,9 +82,7 @@ def _json_safe(value: Any) -> Any:
 
 
 def write_json(data: dict[str, Any], path: Path) -> Path:
-    path = unique_path(path)
-    path.write_text(json.dumps(_json_safe(data), indent=2) + "\n")
-    return path
+    return write_text_file(json.dumps(_json_safe(data), indent=2) + "\n", path)
 
 
 def _fmt(value: Any) -> str:

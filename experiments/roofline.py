@@ -24,15 +24,16 @@ machine are noisy: rerun, compare medians.
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
 import statistics
 import time
 from pathlib import Path
 
+import pandas as pd
 import torch
 
 from engine.device import DTYPES, resolve_device, resolve_dtype
+from experiments.results import write_csv, write_text_file
 
 
 def _sync(device: torch.device) -> None:
@@ -181,14 +182,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     lines += ["| " + " | ".join(str(row[c]) for c in columns) + " |" for row in rows]
     print("\n".join(lines))
     if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        with open(args.out / "roofline.csv", "w", newline="") as handle:
-            writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
         header = (f"Decode-step roofline: {args.model}, {args.dtype} on {device}, attention {attention}; bandwidth "
                   f"{bandwidth / 1e9:.1f} GB/s, matmul peak {peak / 1e9:.1f} GFLOP/s.\n\n")
-        (args.out / "roofline.md").write_text(header + "\n".join(lines) + "\n")
+        # crash-safe, and an earlier roofline in the folder is kept (roofline_1.csv ... is written)
+        write_csv(pd.DataFrame(rows), args.out / "roofline.csv")
+        write_text_file(header + "\n".join(lines) + "\n", args.out / "roofline.md")
     return rows
 
 

@@ -32,7 +32,7 @@ from omegaconf import DictConfig  # noqa: E402
 
 from experiments.plots import save_figure  # noqa: E402
 from experiments.report import collect, markdown_table  # noqa: E402
-from experiments.results import unique_path  # noqa: E402
+from experiments.results import write_csv, write_text_file  # noqa: E402
 
 CASE_COLUMN = "override:validation_case"
 #: metric key in summary.json -> (label, target median |relative error| or None)
@@ -107,14 +107,12 @@ def plot(table: pd.DataFrame, path: Path) -> Path:
 def write_validation(root: Path) -> list[Path]:
     table = comparison(collect(root))
     summary = medians(table)
-    csv = unique_path(root / "validation.csv")
-    table.drop(columns="note").to_csv(csv, index=False)
-    md = unique_path(root / "validation.md")
-    md.write_text("\n".join([
+    csv = write_csv(table.drop(columns="note"), root / "validation.csv")
+    md = write_text_file("\n".join([
         f"# Simulator validation: {root}", "",
         "Median |relative error| over the held-out configurations:", "",
         markdown_table(summary, list(summary.columns)), "", "Every row:", "", markdown_table(table, ["configuration", "metric", "real", "simulated", "relative_error", "note"]), "",
-    ]))
+    ]), root / "validation.md")
     return [csv, md, plot(table, root / "validation.png")]
 
 

@@ -1,7 +1,8 @@
 """Time of one engine step from the batch the scheduler built, on a model of the hardware.
 
 The step's shape (:class:`engine.step_shape.StepShape`) gives, per step: ``S`` sequences, ``T``
-token rows, ``R`` sampled rows, ``C`` context tokens read and ``A`` causal attention pairs. With
+token rows, ``R`` sampled rows, ``C`` context tokens read and ``A`` causal query-key pairs of the
+prefill rows (sequences computing more than one row; a decode row's attention is its context read). With
 the model's shapes (:mod:`simulator.model_shapes`) they become ideal times at datasheet peaks:
 
 * ``t_lin  = (T * 2 * layer_params + R * 2 * vocab * hidden) / peak_flops``  (GEMMs)
@@ -73,7 +74,7 @@ class CostModel:
             linear_s=shape.num_rows * self.linear_s_per_row + shape.num_sampled * self.lm_head_s_per_row,
             weights_s=self.weights_s,
             kv_s=shape.context_tokens * self.kv_s_per_token,
-            attention_s=shape.attention_pairs * self.attention_s_per_pair,
+            attention_s=shape.prefill_attention_pairs * self.attention_s_per_pair,
         )
 
     def step_time(self, shape: StepShape) -> float:

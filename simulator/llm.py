@@ -119,7 +119,7 @@ class SimulatedLLM(LLM):
         if capacity is not None:
             cfg.cache.capacity_tokens = capacity
         self.config = cfg
-        self.build_scheduling(cfg)
+        self.build_scheduling(cfg, allocate_kv=False)
         self.virtual_clock = VirtualClock()
         self.runner = CostModelRunner(CostModel(hardware, self.model_config), self.virtual_clock)
         self.sampler = StandInSampler(self.model_config.vocab_size, self.model_config.eos_token_ids, int(cfg.seed),

@@ -9,7 +9,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import pytest
 import torch
@@ -43,6 +43,18 @@ ODD_LLAMA = {  # head_dim != hidden/heads, 6 query heads on 3 KV heads, untied, 
     "rms_norm_eps": 1e-6, "rope_theta": 500000.0, "max_position_embeddings": 256,
     "tie_word_embeddings": False, "attention_bias": True, "bos_token_id": 1, "eos_token_id": 2,
 }
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """The fast suite runs torch on one intra-op thread. Tiny-model steps are microseconds of math:
+    a second thread only adds synchronisation (measured 3-7x slower per step on a loaded 2-core
+    machine; the stateful property test took 7 min with two threads, 10 s with one). Servers and
+    runs the tests start as subprocesses keep their own defaults."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")

@@ -16,9 +16,9 @@ TINY = model_config_for_costs(yaml.safe_load((CONF_DIR / "model" / "tiny.yaml").
 LLAMA_8B = model_config_for_costs(yaml.safe_load((CONF_DIR / "model" / "llama-3.1-8b.yaml").read_text())["hf_config"])
 
 
-def shape(seqs=1, rows=1, decode=1, sampled=1, context=1, pairs=1) -> StepShape:
+def shape(seqs=1, rows=1, decode=1, sampled=1, context=1, pairs=0) -> StepShape:
     return StepShape(num_seqs=seqs, num_rows=rows, num_decode_tokens=decode, num_wasted_slots=0,
-                     num_sampled=sampled, context_tokens=context, attention_pairs=pairs)
+                     num_sampled=sampled, context_tokens=context, prefill_attention_pairs=pairs)
 
 
 def test_parameter_counts_match_the_published_sizes():
@@ -45,7 +45,7 @@ def test_step_time_by_hand_on_tiny():
 def test_roofline_decode_waits_for_weights_and_prefill_for_math():
     h100 = Hardware(name="h100", peak_tflops=989, bandwidth_tbps=3.35)
     model = CostModel(h100, LLAMA_8B)
-    decode = model.step_time(shape(seqs=1, rows=1, context=1000, pairs=1000))
+    decode = model.step_time(shape(seqs=1, rows=1, context=1000))
     weights_s = (parameter_count(LLAMA_8B) - 128256 * 4096) * 2 / 3.35e12  # every weight but the embedding
     assert decode == pytest.approx(weights_s + 1000 * 131072 / 3.35e12, rel=1e-3)
     prefill = model.step_time(shape(seqs=1, rows=8192, decode=0, context=8192, pairs=8192 * 8193 // 2))
@@ -55,9 +55,9 @@ def test_roofline_decode_waits_for_weights_and_prefill_for_math():
 def test_more_work_never_costs_less():
     model = CostModel(Hardware(name="h100", peak_tflops=989, bandwidth_tbps=3.35, step_overhead_s=1e-3,
                                seq_overhead_s=1e-5), LLAMA_8B)
-    base = model.step_time(shape(seqs=8, rows=8, decode=8, sampled=8, context=8000, pairs=8000))
-    for bigger in (shape(seqs=9, rows=9, decode=9, sampled=9, context=8000, pairs=8000),
-                   shape(seqs=8, rows=8, decode=8, sampled=8, context=9000, pairs=9000),
+    base = model.step_time(shape(seqs=8, rows=8, decode=8, sampled=8, context=8000))
+    for bigger in (shape(seqs=9, rows=9, decode=9, sampled=9, context=8000),
+                   shape(seqs=8, rows=8, decode=8, sampled=8, context=9000),
                    shape(seqs=8, rows=4000, decode=8, sampled=8, context=12000, pairs=4_000_000)):
         assert model.step_time(bigger) > base
 
@@ -73,7 +73,7 @@ def test_nnls_recovers_known_coefficients_and_sets_aside_disturbed_steps():
         rows = seqs + prefill
         context = seqs * int(rng.integers(16, 400))
         shapes.append(shape(seqs=seqs, rows=rows, decode=seqs, sampled=seqs, context=context,
-                            pairs=context + prefill * (prefill + 1) // 2))
+                            pairs=prefill * (prefill + 1) // 2))
     truth = np.array([0.01, 0.0015, 0.4, 2.0, 7.0])
     seconds = np.array([model.terms(s).fit_row() for s in shapes]) @ truth
     seconds = seconds * rng.uniform(0.999, 1.001, size=len(seconds))  # timer-level noise
@@ -112,3 +112,18 @@ def test_unknown_names_list_the_known_ones():
         SimulatedLLM(model="tiny", hardware="tpu")
     with pytest.raises(ValueError, match="unknown model 'gpt-9'.*llama-3.1-8b"):
         SimulatedLLM(model="gpt-9", hardware="h100")
+
+
+def test_tensor_parallel_makes_70b_fit_and_scales_the_peaks():
+    with pytest.raises(ValueError, match="leave no KV memory on h100.*tensor_parallel"):
+        SimulatedLLM(model="llama-3.1-70b", hardware="h100")
+    from omegaconf import OmegaConf
+
+    from engine.config import engine_config, load_group_option
+
+    cfg = engine_config("llama-3.1-70b", "paged", "continuous", "torch_sdpa", "cpu", "float32", "random", 0, {}, {})
+    cfg.hardware = load_group_option("hardware", "h100", {"tensor_parallel": 2})
+    engine = SimulatedLLM.from_config(OmegaConf.create(cfg))
+    weights = parameter_count(engine.model_config) * 2
+    assert engine.cache.stats().capacity_tokens == pytest.approx((160e9 * 0.9 - weights) / 327680, abs=16)
+    assert engine.hardware.flops_per_s == 2 * 989e12 and "tp=2" in engine.describe()["timing"]

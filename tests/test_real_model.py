@@ -15,6 +15,7 @@ import torch
 import yaml
 
 from engine import LLM, SamplingParams
+from engine.config import engine_config
 from engine.loader import load_model
 from engine.tokenizer import encode_chat
 from test_model_parity import our_prefill_logits
@@ -133,7 +134,7 @@ def test_incremental_detokenization_of_real_outputs(real_llm, hf_greedy_with_eos
 
 
 STRATEGIES = [
-    ("contiguous", "static", "eager", {"capacity_tokens": 16384}),  # regions of max_model_len (8,192): two at a time
+    ("contiguous", "static", "eager", {"capacity_tokens": 512, "reserve": "request"}),  # one static batch of 4 regions
     ("prefix", "preemptive", "cpu_paged", {"capacity_tokens": 128}),  # squeezed: preempts; the system prompt is shared
     pytest.param("paged", "continuous", "triton_paged", {"capacity_tokens": 2048},
                  marks=pytest.mark.slow(reason="Triton interpreter on the CPU: minutes for a 30-layer model")),
@@ -148,8 +149,9 @@ def test_strategies_say_the_same_thing(real_ckpt, real_prompts, hf_greedy_with_e
     torch_sdpa) is ``real_llm``, checked against HF above."""
     if attention == "triton_paged" and not triton_available:
         pytest.skip("triton is not installed")
-    llm = LLM(model=str(real_ckpt), cache=cache, scheduler=scheduler, attention=attention, device="cpu",
-              block_size=16, max_num_seqs=4, **options)
+    cfg = engine_config(str(real_ckpt), cache, scheduler, attention, "cpu", "float32", None, 0,
+                        cache_options={"block_size": 16, **options}, scheduler_options={"max_num_seqs": 4})
+    llm = LLM.from_config(cfg)
     chats = real_prompts[: len(QUESTIONS)]
     params = SamplingParams(max_tokens=MAX_TOKENS)
     outputs = llm.generate(chats, params)
@@ -159,3 +161,26 @@ def test_strategies_say_the_same_thing(real_ckpt, real_prompts, hf_greedy_with_e
         assert sum(r.num_preempted for r in llm.step_records) > 0
         assert sum(r.prefix_hit_tokens for r in llm.step_records) > 0
     llm.free_blocks_check()
+
+
+@pytest.mark.slow(reason="the default `python run.py` on the real model in a subprocess (~30 s on 2 cores)")
+def test_default_run_shows_real_answers(tmp_path, real_ckpt):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import pandas as pd
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "run.py", "workload.num_requests=3", "workload.max_tokens=48",
+                           "driver.progress=false", "plots=false", f"hydra.run.dir={out}"],
+                          cwd=root, env=dict(os.environ, PYTHONPATH=str(root)), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["run"]["model"] == "smollm2-135m-instruct" and summary["run"]["workload"] == "chat"
+    requests = pd.read_csv(out / "requests.csv", keep_default_na=False)
+    assert (requests["output_text"].str.len() > 0).all() and (requests["finish_reason"] == "stop").any()
+    markdown = (out / "summary.md").read_text()
+    assert "## Sample answers" in markdown and requests["output_text"][0][:40] in markdown

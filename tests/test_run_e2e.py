@@ -109,3 +109,29 @@ def test_hf_continuous_matches_too() -> None:
     finally:
         engine.close()
     assert [r.output_tokens for r in result.records] == [r.sampling_params.max_tokens for r in requests]
+
+
+def test_chat_workload_servelab_and_hf_static_same_answers(tmp_path: Path, byte_text_ckpt: Path) -> None:
+    """workload=chat through the chat template on a model with a tokenizer: requests.csv holds
+    prompt and output text, summary.md shows sample answers, the HF peer gives the same text."""
+    from experiments.chat_prompts import prompt_bank
+    from experiments.job import execute
+
+    overrides = ["model=tiny", f"model.path={byte_text_ckpt}", "model.weights=pretrained", "workload=chat",
+                 "workload.num_requests=3", "workload.max_tokens=12", "workload.concurrency=2",
+                 "driver.progress=false", "device=cpu", "plots=false"]
+    tables = {}
+    for engine in ("servelab", "hf_static"):
+        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+            cfg = compose("config", overrides=[*overrides, f"engine={engine}"])
+        outcome = execute(cfg, tmp_path / engine, {"engine": engine, "workload": "chat"}, overrides)
+        assert not outcome.failed, outcome.summary.get("traceback")
+        tables[engine] = pd.read_csv(tmp_path / engine / "requests.csv", keep_default_na=False)
+        assert "## Sample answers" in (tmp_path / engine / "summary.md").read_text()
+    servelab = tables["servelab"]
+    assert list(servelab.columns) == REQUEST_COLUMNS and len(servelab) == 3
+    assert set(servelab["prompt_text"]) <= set(prompt_bank())
+    assert (servelab["output_text"].str.len() > 0).all()
+    assert (servelab["prompt_tokens"] > servelab["prompt_text"].str.len()).all()  # rendered: template + bytes
+    for column in ("output_token_ids", "output_text", "prompt_text", "finish_reason"):
+        assert list(servelab[column]) == list(tables["hf_static"][column]), column

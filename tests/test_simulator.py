@@ -15,7 +15,7 @@ from simulator import SimulatedLLM
 
 COMPOSITION = ("num_seqs", "num_prefill_tokens", "num_decode_tokens", "num_wasted_slots", "num_preempted",
                "prefix_hit_tokens", "kv_used_tokens", "kv_reserved_tokens", "kv_capacity_tokens",
-               "num_waiting", "num_running", "context_tokens", "attention_pairs")
+               "num_waiting", "num_running", "context_tokens", "prefill_attention_pairs")
 SYSTEM_PROMPT = [7 + (i * 13) % 400 for i in range(24)]  # shared by the first requests: prefix hits
 
 

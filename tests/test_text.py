@@ -31,6 +31,8 @@ def incremental_matches_full_decode(tokenizer, prompt: list[int], output: list[i
         if not full.endswith(REPLACEMENT_CHAR):
             last_complete = full
         assert detokenizer.text == last_complete, (k, output[:k])
+    detokenizer.flush()  # the request finished: everything is released
+    assert detokenizer.text == decode(tokenizer, output)
 
 
 TEXTS = ["héllo wörld", "東京は日本の首都です。", "emoji 🙂👍🏽 and flags 🇫🇷!", "mixed: café, 世界, 😀, done."]
@@ -87,7 +89,7 @@ def test_text_prompt_equals_token_prompt(byte_llm, free_run):
     ids = byte_llm.tokenizer.encode(PROMPT)
     by_ids = byte_llm.generate([ids], SamplingParams(max_tokens=40, ignore_eos=True))[0]
     assert free_run.prompt_token_ids == ids and by_ids.token_ids == free_run.token_ids
-    assert free_run.text == decode(byte_llm.tokenizer, free_run.token_ids).rstrip(REPLACEMENT_CHAR)
+    assert free_run.text == decode(byte_llm.tokenizer, free_run.token_ids)  # finished: the full decode
 
 
 def test_stop_string_ends_request_and_is_cut(byte_llm, free_run):
@@ -129,9 +131,11 @@ def test_eos_ends_request_unless_ignored(tmp_path, byte_text_ckpt, free_run):
 def test_streamed_text_only_grows(byte_llm, free_run):
     """step() reports unfinished requests too: their text is always a prefix of the next one's,
     also with a stop string pending (its possible beginning is held back)."""
-    stop = free_run.text[20:23] if len(free_run.text) > 23 else "zzz"
+    text = free_run.text
+    start = next(i for i in range(10, len(text) - 3) if REPLACEMENT_CHAR not in text[i:i + 3])
+    stop = text[start:start + 3]  # complete characters, arriving one per step: its beginning must be held back
     for params in (SamplingParams(max_tokens=40, ignore_eos=True),
-                   SamplingParams(max_tokens=40, ignore_eos=True, stop=[stop, "a much longer stop"])):
+                   SamplingParams(max_tokens=40, ignore_eos=True, stop=[stop])):
         request_id = byte_llm.add_request(PROMPT, params)
         texts, finished = [], None
         for _ in range(100):
@@ -145,6 +149,8 @@ def test_streamed_text_only_grows(byte_llm, free_run):
         for before, after in zip(texts, texts[1:]):
             assert after.startswith(before), (before, after)
         assert texts[-1] == finished.text
+        if params.stop:
+            assert finished.finish_reason == "stop" and finished.text == text[: text.index(stop)]
 
 
 def test_chat_applies_template(byte_llm):

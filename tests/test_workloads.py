@@ -7,6 +7,8 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
 from experiments import workloads
+from engine.tokenizer import load_tokenizer
+from experiments.chat_prompts import prompt_bank
 from experiments.workloads import gamma_arrival_offsets
 from pathlib import Path
 
@@ -78,7 +80,7 @@ def test_long_context_lengths() -> None:
     assert [len(r.prompt_token_ids) for r in requests] == [700] * 3
 
 
-@pytest.mark.parametrize("name", ["four_prompts", "burst", "poisson", "shared_prefix", "long_context"])
+@pytest.mark.parametrize("name", ["four_prompts", "burst", "poisson", "shared_prefix", "long_context", "chat"])
 def test_workload_yaml_instantiates(name: str) -> None:
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=[f"workload={name}", "model=tiny"])
@@ -93,6 +95,45 @@ def test_special_token_ids_reads_model_configs() -> None:
         pad_token_id = None
 
     assert workloads.special_token_ids(Config()) == [1, 2, 3]
+
+
+def test_chat_prompt_bank_is_large_and_varied() -> None:
+    bank = prompt_bank()
+    assert len(bank) >= 300 and len(set(bank)) == len(bank)
+    lengths = sorted(len(p) for p in bank)
+    assert lengths[0] < 30 and lengths[-1] > 200  # one-liners to multi-sentence notes
+
+
+def test_chat_workload_seeded_selection_with_eos() -> None:
+    first, again, other = (workloads.chat(VOCAB, SPECIAL, seed=s, num_requests=40) for s in (3, 3, 4))
+    assert first == again and first != other
+    prompts = [r.prompt_text for r in first]
+    assert len(set(prompts)) == 40 and set(prompts) <= set(prompt_bank())  # no repeats while the bank lasts
+    assert all(not r.sampling_params.ignore_eos and r.prompt_token_ids == [] for r in first)
+    assert all(r.messages[-1]["role"] == "user" for r in first)
+    with_system = workloads.chat(VOCAB, SPECIAL, seed=3, num_requests=2, system_prompt="Be brief.")
+    assert with_system[0].messages[0] == {"role": "system", "content": "Be brief."}
+    assert with_system[0].prompt_text == workloads.chat(VOCAB, SPECIAL, seed=3, num_requests=2)[0].prompt_text
+
+
+def test_tokenize_requests_renders_the_chat_template(byte_text_ckpt) -> None:
+    tokenizer = load_tokenizer(byte_text_ckpt)
+    requests = workloads.chat(VOCAB, SPECIAL, seed=0, num_requests=3) + workloads.burst(VOCAB, SPECIAL, concurrency=1)
+    rendered = workloads.tokenize_requests(requests, tokenizer)
+    for before, after in zip(requests[:3], rendered[:3]):
+        text = f"<s>user: {before.prompt_text}\n<s>assistant: "
+        assert after.prompt_token_ids == tokenizer.encode(text, add_special_tokens=False)
+    assert rendered[3:] == requests[3:]  # token-id requests unchanged
+    with pytest.raises(ValueError, match="needs a model with a tokenizer"):
+        workloads.tokenize_requests(requests, None)
+
+
+def test_special_token_ids_include_the_tokenizers_control_tokens(byte_text_ckpt) -> None:
+    class Config:
+        bos_token_id = 256
+        eos_token_ids = (257,)
+
+    assert workloads.special_token_ids(Config(), load_tokenizer(byte_text_ckpt)) == [256, 257, 258]
 
 
 def test_interactive_fraction_assigns_two_priority_classes() -> None:

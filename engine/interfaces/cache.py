@@ -36,6 +36,7 @@ class CacheStats:
         num_blocks: blocks in the pool.
         prefix_hit_tokens: cumulative tokens whose prefill was skipped thanks to a prefix hit.
         prefix_query_tokens: cumulative tokens looked up in the prefix cache.
+        prefix_evicted_blocks: cumulative cached blocks evicted (their prefix forgotten) to make room.
         swap_used_blocks: host swap-space blocks holding preempted sequences' K/V now.
         swap_out_blocks / swap_in_blocks: cumulative blocks copied to / back from the swap space.
         swap_out_bytes / swap_in_bytes: the same in bytes (K and V of every layer).
@@ -49,6 +50,7 @@ class CacheStats:
     num_blocks: int
     prefix_hit_tokens: int = 0
     prefix_query_tokens: int = 0
+    prefix_evicted_blocks: int = 0
     swap_used_blocks: int = 0
     swap_out_blocks: int = 0
     swap_in_blocks: int = 0

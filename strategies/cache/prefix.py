@@ -65,6 +65,7 @@ class CachingBlockPool(BlockPool):
         self.key_of_block: dict[int, BlockKey] = {}
         self.parked: OrderedDict[int, None] = OrderedDict()  # least recently parked first
         self.entry_ids = count(ROOT_ID + 1)
+        self.num_evicted = 0  # cumulative evictions of parked cached blocks
 
     @property
     def num_free(self) -> int:
@@ -109,6 +110,7 @@ class CachingBlockPool(BlockPool):
             victim, _ = self.parked.popitem(last=False)
             del self.cached[self.key_of_block.pop(victim)]
             self.give_back(victim)
+            self.num_evicted += 1
         return super().allocate(num_blocks)
 
     def check_all_free(self) -> None:
@@ -187,5 +189,6 @@ class PrefixCache(PagedCache):
 
     def stats(self) -> CacheStats:
         return dataclasses.replace(
-            super().stats(), prefix_hit_tokens=self.prefix_hit_tokens, prefix_query_tokens=self.prefix_query_tokens
+            super().stats(), prefix_hit_tokens=self.prefix_hit_tokens, prefix_query_tokens=self.prefix_query_tokens,
+            prefix_evicted_blocks=self.pool.num_evicted,
         )

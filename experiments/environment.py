@@ -1,0 +1,80 @@
+"""Where and how a run ran, recorded in ``summary.json`` so a number can be traced to its setup.
+
+Configs say what was *asked* (``device: auto``, ``prepack: auto``); this says what was *applied*:
+the resolved device and dtype, the performance options the engine actually turned on, the
+attention and cache classes, library versions, the git commit (and whether the tree had local
+changes), the CPU model and thread counts.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def git_commit(root: Path = ROOT) -> dict[str, Any]:
+    """``{"commit": sha or None, "dirty": bool or None}`` of the checkout (None outside git)."""
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10,
+                             check=True).stdout.strip()
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                                capture_output=True, text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "dirty": None}
+    return {"commit": sha, "dirty": bool(status.strip())}
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo`` on Linux, else ``platform.processor()``)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def library_versions() -> dict[str, str | None]:
+    versions: dict[str, str | None] = {"python": platform.python_version(), "torch": torch.__version__}
+    try:
+        import transformers
+
+        versions["transformers"] = transformers.__version__
+    except ImportError:
+        versions["transformers"] = None
+    return versions
+
+
+def applied_options(engine: Any) -> dict[str, Any]:
+    """What the engine object reports it applied (``None`` where an engine does not say)."""
+    runner = getattr(engine, "runner", None)
+    return {
+        "device": str(engine.device) if getattr(engine, "device", None) is not None else None,
+        "dtype": str(engine.dtype).removeprefix("torch.") if getattr(engine, "dtype", None) is not None else None,
+        "engine_class": type(engine).__name__,
+        "attention_class": type(engine.attention).__name__ if hasattr(engine, "attention") else None,
+        "cache_class": type(engine.cache).__name__ if hasattr(engine, "cache") else None,
+        "prepacked": getattr(engine, "prepacked", None),
+        "fused_ops": getattr(engine, "fused", None),
+        "kept_freed_memory": getattr(engine, "kept_freed_memory", None),
+        "cuda_graphs": getattr(runner, "graphs", None) is not None if runner is not None else None,
+    }
+
+
+def environment(engine: Any) -> dict[str, Any]:
+    return {
+        **applied_options(engine),
+        **library_versions(),
+        "git": git_commit(),
+        "cpu_model": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "platform": platform.platform(),
+    }

@@ -1,0 +1,94 @@
+"""``python -m experiments.calibrate``: fits real runs' steps.csv into a usable hardware file, or
+says why not and writes nothing."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import yaml
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from engine.config import CONF_DIR
+from engine.step_shape import StepShape
+from experiments.calibrate import main
+from simulator.cost_model import CostModel
+from simulator.hardware import Hardware
+from simulator.model_shapes import model_config_for_costs
+
+TINY_SPEC = yaml.safe_load((CONF_DIR / "model" / "tiny.yaml").read_text())
+TRUTH = dict(step_overhead_s=0.02, seq_overhead_s=0.003, linear_time_scale=0.5, kv_time_scale=4.0,
+             attention_time_scale=9.0)
+
+
+def fake_run(folder: Path, num_steps: int, seed: int = 0, durations: str = "model") -> Path:
+    """A run folder whose step durations follow the cost model with known coefficients
+    (``durations="noisy"``: within -25% / +40% of it; ``"random"``: unrelated to the steps)."""
+    rng = np.random.default_rng(seed)
+    truth = Hardware(name="truth", peak_tflops=0.15, bandwidth_tbps=0.025, dtype_bytes=4, weight_time_scale=0.0,
+                     **TRUTH)
+    model = CostModel(truth, model_config_for_costs(TINY_SPEC["hf_config"]))
+    rows, clock = [], 0.0
+    for step in range(num_steps):
+        seqs = int(rng.integers(1, 16))
+        prefill = int(rng.integers(20, 300)) if rng.random() < 0.3 else 0
+        context = seqs * int(rng.integers(16, 200)) + prefill
+        shape = StepShape(num_seqs=seqs, num_rows=seqs + prefill, num_decode_tokens=seqs, num_wasted_slots=0,
+                          num_sampled=seqs, context_tokens=context, prefill_attention_pairs=prefill * (prefill + 1) // 2)
+        duration = {"model": model.step_time(shape), "random": float(rng.uniform(0.01, 1.0)),
+                    "noisy": model.step_time(shape) * float(rng.uniform(0.75, 1.4))}[durations]
+        rows.append(dict(step=step, start_time=clock, end_time=clock + duration, duration_s=duration, num_seqs=seqs,
+                         num_prefill_tokens=prefill, num_decode_tokens=seqs, num_wasted_slots=0, num_sampled=seqs,
+                         context_tokens=context, prefill_attention_pairs=shape.prefill_attention_pairs))
+        clock += duration
+    folder.mkdir(parents=True)
+    pd.DataFrame(rows).to_csv(folder / "steps.csv", index=False)
+    OmegaConf.save(OmegaConf.create({"model": TINY_SPEC, "dtype": "float32", "device": "cpu",
+                                     "attention": {"_target_": "x"}, "engine": {"prepack": "auto"}}),
+                   folder / "config.yaml")
+    return folder
+
+
+def test_fit_round_trip_writes_a_usable_hardware_file(tmp_path):
+    run = fake_run(tmp_path / "run", 120)
+    assert main([str(run), "--name", "fitted", "--out-dir", str(tmp_path / "hw")]) == 0
+    written = tmp_path / "hw" / "fitted.yaml"
+    hardware = instantiate(OmegaConf.load(written))
+    assert isinstance(hardware, Hardware) and hardware.calibrated and hardware.calibrated_model == "tiny"
+    for name, value in TRUTH.items():
+        assert getattr(hardware, name) == pytest.approx(value, rel=1e-3)
+    assert "R^2 1.000" in hardware.calibration
+    # usable at once: a simulated engine on it
+    from simulator import SimulatedLLM
+
+    cfg = OmegaConf.create({"model": TINY_SPEC, "cache": OmegaConf.load(CONF_DIR / "cache" / "paged.yaml"),
+                            "scheduler": OmegaConf.load(CONF_DIR / "scheduler" / "continuous.yaml"),
+                            "hardware": OmegaConf.load(written), "seed": 0})
+    engine = SimulatedLLM.from_config(cfg)
+    assert engine.describe()["timing"].startswith("simulated, calibrated (fitted, on tiny)")
+    assert main([str(run), "--name", "fitted", "--out-dir", str(tmp_path / "hw")]) == 2  # exists: no silent overwrite
+
+
+@pytest.mark.parametrize("case", ["too_few_steps", "uncorrelated", "noisy", "not_a_run", "peer_steps"])
+def test_refuses_and_writes_nothing(tmp_path, case, capsys):
+    if case == "too_few_steps":
+        run = fake_run(tmp_path / "run", 12)
+    elif case == "uncorrelated":
+        run = fake_run(tmp_path / "run", 120, durations="random")
+    elif case == "noisy":
+        run = fake_run(tmp_path / "run", 120, durations="noisy")
+    elif case == "not_a_run":
+        run = tmp_path / "empty"
+        run.mkdir()
+    else:  # an HF peer's steps.csv has no step shape
+        run = fake_run(tmp_path / "run", 120)
+        pd.read_csv(run / "steps.csv").drop(columns=["context_tokens"]).to_csv(run / "steps.csv", index=False)
+    assert main([str(run), "--name", "nope", "--out-dir", str(tmp_path / "hw")]) != 0
+    assert not (tmp_path / "hw" / "nope.yaml").exists()
+    message = capsys.readouterr().err
+    expected = {"too_few_steps": "too few steps", "uncorrelated": "steps fit the model within",
+                "noisy": "explains too little",
+                "not_a_run": "not a run folder", "peer_steps": "lacks ['context_tokens']"}[case]
+    assert expected in message
