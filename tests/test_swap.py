@@ -136,3 +136,15 @@ def test_scheduler_falls_back_to_recompute_when_the_host_pool_is_full():
     scheduler.abort(second)  # an aborted swapped-out request releases its host blocks
     assert cache.stats().swap_used_blocks == 0
     cache.pool.check_all_free()
+
+
+def test_swap_enabled_before_the_tensors_exist():
+    """The engine builds the scheduler (which enables swap) before allocating the K/V tensors."""
+    cache = PagedCache(block_size=4, capacity_tokens=32)
+    cache.enable_swap(16)
+    cache.allocate_tensors(LAYERS, KV_HEADS, HEAD_DIM, torch.float32, torch.device("cpu"))
+    seq = computed(cache, list(range(20, 30)))
+    before = kv_of(cache, seq)
+    assert cache.swap_out(seq) and cache.admit(seq, 11)
+    assert all(torch.equal(a, b) for a, b in zip(kv_of(cache, seq), before))
+    assert cache.stats().swap_out_bytes == 3 * 2 * LAYERS * 4 * KV_HEADS * HEAD_DIM * 4

@@ -47,6 +47,8 @@ class PagedCache:
         self.kv_caches = allocate_kv_tensors(
             num_layers, self.num_blocks, self.block_size, num_kv_heads, head_dim, dtype, device
         )
+        if self.swap_space is not None:  # swap was enabled first (the engine builds the scheduler before the tensors)
+            self.swap_space = HostSwapSpace(self.kv_caches, self.swap_space.pool.num_blocks)
 
     def bind_model_limits(self, max_model_len: int) -> None:
         return None  # blocks are handed out on demand: no per-sequence region to size
@@ -108,7 +110,9 @@ class PagedCache:
 
     # -- swap (preemption_mode=swap) ----------------------------------------------------------
     def enable_swap(self, swap_space_tokens: int) -> None:
-        """Create the host pool: ``swap_space_tokens // block_size`` blocks (after allocate_tensors)."""
+        """Create the host pool: ``swap_space_tokens // block_size`` blocks, shaped like the K/V tensors
+        (now, or when ``allocate_tensors`` creates them; without tensors, e.g. in the simulator,
+        swapping is block bookkeeping only)."""
         num_blocks = swap_space_tokens // self.block_size
         if num_blocks < 1:
             raise ValueError(

@@ -52,23 +52,20 @@ class HostSwapSpace:
     """Host copies of K/V blocks, one pool shaped like the device cache.
 
     Args:
-        kv_caches: the device cache's ``(k, v)`` tensors per layer (shapes and dtype are mirrored).
+        kv_caches: the device cache's ``(k, v)`` tensors per layer (shapes and dtype are mirrored;
+            empty for a cache without tensors).
         num_blocks: host blocks (``swap_space_tokens // block_size``); at least 1.
     """
 
     def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], num_blocks: int) -> None:
-        if not kv_caches:
-            raise RuntimeError("swap space needs the cache's tensors: call allocate_tensors() first")
         self.pool = BlockPool(num_blocks)
-        self.device = kv_caches[0][0].device
+        self.device = kv_caches[0][0].device if kv_caches else torch.device("cpu")
         pin = self.device.type == "cuda"
-        shape = (num_blocks, *kv_caches[0][0].shape[1:])
-        dtype = kv_caches[0][0].dtype
         self.host_caches = [
-            (torch.empty(shape, dtype=dtype, pin_memory=pin), torch.empty(shape, dtype=dtype, pin_memory=pin))
-            for _ in kv_caches
-        ]
-        self.block_bytes = 2 * len(kv_caches) * kv_caches[0][0][0].numel() * kv_caches[0][0].element_size()
+            tuple(torch.empty((num_blocks, *cache.shape[1:]), dtype=cache.dtype, pin_memory=pin) for cache in pair)
+            for pair in kv_caches
+        ]  # none without tensors (a cache driven by the simulator): blocks are counted, nothing is copied
+        self.block_bytes = sum(cache[0].numel() * cache.element_size() for pair in kv_caches for cache in pair)
         self.swapped: dict[int, SwappedKV] = {}
         self.counters = SwapCounters()
 
