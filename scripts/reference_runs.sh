@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Re-creates results/reference/: every experiment of conf/experiment/ on the default model
-# (SmolLM2-135M architecture, random weights, float32), one after another, plus the roofline probe.
+# Re-creates results/reference/: every experiment of conf/experiment/ on
+# model=smollm2-135m (the SmolLM2-135M architecture, random weights, float32; length-controlled
+# workloads with ignore_eos), one after another, plus the roofline probe.
 # Usage: scripts/reference_runs.sh [experiment ...]   (default: all). An existing folder is kept:
 # remove it first to rerun (nothing is overwritten silently).
 set -euo pipefail
@@ -19,6 +20,6 @@ for name in "${experiments[@]}"; do
   if [ "$name" = roofline ]; then
     $PY -m experiments.roofline --out "$OUT/roofline"
   else
-    $PY run.py +experiment="$name" hydra.sweep.dir="$OUT/$name" driver.progress=false
+    $PY run.py +experiment="$name" model=smollm2-135m hydra.sweep.dir="$OUT/$name" driver.progress=false
   fi
 done
