@@ -17,8 +17,7 @@ from typing import Any
 import pandas as pd
 from omegaconf import DictConfig
 
-from experiments.report import ReportCallback, axis_columns, collect, markdown_table
-from experiments.results import write_csv, write_text_file
+from experiments.report import ReportCallback, axis_columns, collect, write_table_files
 
 IN_PROCESS, OVER_HTTP = "servelab", "servelab_http"
 METRICS = {"output_throughput": "tok/s", "ttft_s_p50": "TTFT p50 (s)", "ttft_s_p99": "TTFT p99 (s)"}
@@ -47,11 +46,7 @@ def overhead_table(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def write_overhead_table(root: Path) -> str:
-    table = overhead_table(collect(root))
-    write_csv(table, root / "http_vs_inprocess.csv")
-    text = markdown_table(table, list(table.columns))
-    write_text_file(text + "\n", root / "http_vs_inprocess.md")
-    return text
+    return write_table_files(overhead_table(collect(root)), root, "http_vs_inprocess")
 
 
 class HTTPOverheadCallback(ReportCallback):

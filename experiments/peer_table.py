@@ -18,8 +18,7 @@ from typing import Any
 import pandas as pd
 from omegaconf import DictConfig
 
-from experiments.report import ReportCallback, collect, markdown_table
-from experiments.results import write_csv, write_text_file
+from experiments.report import ReportCallback, collect, write_table_files
 
 SERVELAB = "servelab"
 METRICS = {"output_throughput": "output tok/s", "ttft_s_p50": "TTFT p50 (s)", "ttft_s_p99": "TTFT p99 (s)"}  # medians
@@ -50,11 +49,7 @@ def peer_table(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def write_peer_table(root: Path) -> str:
-    table = peer_table(collect(root))
-    write_csv(table, root / "peer_table.csv")
-    text = markdown_table(table, list(table.columns))
-    write_text_file(text + "\n", root / "peer_table.md")
-    return text
+    return write_table_files(peer_table(collect(root)), root, "peer_table")
 
 
 class PeerTableCallback(ReportCallback):

@@ -150,6 +150,14 @@ def markdown_table(frame: pd.DataFrame, columns: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
+def write_table_files(table: pd.DataFrame, root: Path, stem: str) -> str:
+    """``<stem>.csv`` and ``<stem>.md`` of ``table`` in ``root`` (crash-safe, never overwritten); returns the markdown."""
+    write_csv(table, root / f"{stem}.csv")
+    text = markdown_table(table, list(table.columns))
+    write_text_file(text + "\n", root / f"{stem}.md")
+    return text
+
+
 def plot_vs(frame: pd.DataFrame, x: str, metrics: Sequence[tuple[str, str]], path: Path, groups: Sequence[str]) -> Path | None:
     """One subplot per metric, one line per strategy (the other varying columns), x on the axis."""
     if x not in frame or any(metric not in frame for metric, _ in metrics):  # e.g. summaries of an older version
