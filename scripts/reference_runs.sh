@@ -12,11 +12,12 @@ experiments=("$@")
 [ ${#experiments[@]} -gt 0 ] || experiments=(naive_vs_continuous squeezed_pool prefix_sharing memory_pressure
   block_size_sweep decode_scaling concurrency_sweep peer_benchmark roofline)
 mkdir -p "$OUT"
-{ echo "date: $(date -u +%F)"; echo "machine: $(nproc) CPU cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), no GPU";
-  echo "torch: $($PY -c 'import torch; print(torch.__version__)')"; } > "$OUT/MACHINE.txt"
+# One line per experiment run (appended, never overwritten); each summary.json also records its environment.
+machine="$(nproc) CPU cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), no GPU, torch $($PY -c 'import torch; print(torch.__version__)')"
 for name in "${experiments[@]}"; do
   if [ -e "$OUT/$name" ]; then echo "skip $name: $OUT/$name exists"; continue; fi
   echo "=== $name $(date -u +%T)"
+  echo "$name: $(date -u '+%F %T') UTC, $machine, load average $(cut -d' ' -f1-3 /proc/loadavg)" >> "$OUT/MACHINE.txt"
   if [ "$name" = roofline ]; then
     $PY -m experiments.roofline --out "$OUT/roofline"
   else
