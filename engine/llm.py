@@ -65,7 +65,9 @@ class LLM:
         model: a named model (``conf/model/<name>.yaml``: ``smollm2-135m-instruct`` (real
             weights, the default), ``tiny``, ``smollm2-135m``, ``qwen2.5-0.5b``), a folder with an
             HF Llama/Qwen2 checkpoint, or a ``.gguf`` file (converted once into the cache).
-        cache / scheduler / attention: strategy names (``conf/<group>/<name>.yaml``).
+        cache / scheduler / attention: strategy names (``conf/<group>/<name>.yaml``); the default
+            ``attention="auto"`` builds the fastest backend correct for the device and dtype
+            (``strategies/attention/auto.py``: ``cpu_paged`` on CPU float32), named by ``self.attention.name``.
         device: ``auto`` (cuda, then mps, then cpu) or a torch device string.
         dtype: ``float32``, ``bfloat16``, ``float16`` or ``auto``.
         block_size, capacity_tokens: cache options (``None`` keeps the YAML default).
@@ -101,7 +103,7 @@ class LLM:
         model: str = "smollm2-135m-instruct",
         cache: str = "paged",
         scheduler: str = "continuous",
-        attention: str = "torch_sdpa",
+        attention: str = "auto",
         device: str = "auto",
         dtype: str = "float32",
         block_size: int | None = None,

@@ -60,6 +60,7 @@ def applied_options(engine: Any) -> dict[str, Any]:
         "dtype": str(engine.dtype).removeprefix("torch.") if getattr(engine, "dtype", None) is not None else None,
         "engine_class": type(engine).__name__,
         "attention_class": type(engine.attention).__name__ if hasattr(engine, "attention") else None,
+        "attention_backend": getattr(getattr(engine, "attention", None), "name", None),  # what attention=auto chose
         "cache_class": type(engine.cache).__name__ if hasattr(engine, "cache") else None,
         "prepacked": getattr(engine, "prepacked", None),
         "fused_ops": getattr(engine, "fused", None),

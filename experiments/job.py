@@ -73,6 +73,8 @@ def _measure(cfg: DictConfig, out_dir: Path, summary: dict[str, Any]) -> list[Pa
     setup_start = time.perf_counter()
     engine = instantiate(cfg.engine)(cfg)
     summary["environment"] = environment(engine)
+    if summary["run"].get("attention") is not None:  # the backend built (attention=auto chooses one)
+        summary["run"]["attention_backend"] = summary["environment"]["attention_backend"]
     try:
         model_config = engine.model_config
         if hasattr(engine, "describe"):  # the simulator: what its times are (projected or calibrated)

@@ -34,7 +34,7 @@ from experiments.metrics import decode_seconds_per_1k_context  # noqa: E402
 from experiments.plots import save_figure  # noqa: E402
 from experiments.results import write_csv, write_text_file  # noqa: E402
 
-LABEL_COLUMNS = ["engine", "hardware", "model", "cache", "scheduler", "attention", "workload", "concurrency", "block_size",
+LABEL_COLUMNS = ["engine", "hardware", "model", "cache", "scheduler", "attention", "attention_backend", "workload", "concurrency", "block_size",
                  "capacity_tokens", "max_num_seqs", "dtype", "seed"]
 REPORT_FILES = ["report.csv", "report.md", "throughput_vs_concurrency.png", "ttft_vs_concurrency.png",
                 "block_size_sweep.png", "ttft_cdf.png", "kv_usage.png"]

@@ -120,7 +120,7 @@ def summary_table(summary: dict[str, Any]) -> str:
 
 def summary_markdown(summary: dict[str, Any]) -> str:
     run = summary.get("run", {})
-    title = " · ".join(f"{k}={v}" for k, v in run.items() if k in ("engine", "model", "cache", "scheduler", "attention", "workload", "hardware"))
+    title = " · ".join(f"{k}={v}" for k, v in run.items() if k in ("engine", "model", "cache", "scheduler", "attention", "attention_backend", "workload", "hardware"))
     parts = [f"# servelab run: {title}", ""]
     if summary.get("simulation"):
         parts += [f"**Simulated**: times are {summary['simulation']['timing']}.", ""]

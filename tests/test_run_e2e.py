@@ -41,6 +41,9 @@ def test_single_run_writes_every_file(tmp_path: Path) -> None:
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "ok"
     assert summary["run"]["engine"] == "servelab" and summary["run"]["concurrency"] == 2
+    # the default attention=auto resolves to the fast CPU float32 backend, and the run says which
+    assert summary["run"]["attention"] == "auto" and summary["run"]["attention_backend"] == "cpu_paged"
+    assert summary["environment"]["attention_backend"] == "cpu_paged"
     assert summary["metrics"]["num_requests"] == 4
     assert summary["metrics"]["total_output_tokens"] == requests["output_tokens"].sum()
     assert "| output tok/s |" in proc.stdout
