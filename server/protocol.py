@@ -5,7 +5,8 @@ rejects them; a wrong type is a 400 naming the field. Fields the server does not
 ignored (clients send many optional ones), except that those listed here must have the right type.
 
 Sampling fields: ``max_tokens`` (chat also ``max_completion_tokens``), ``temperature``, ``top_p``,
-``seed``, ``stop``, ``n`` (only 1), and vLLM's extensions ``top_k``, ``ignore_eos`` and
+``seed``, ``stop``, ``n`` (only 1), and vLLM's extensions ``top_k``, ``min_p``, ``priority``
+(used by ``scheduler.policy=priority``; lower is served first), ``ignore_eos`` and
 ``return_token_ids`` (the response carries the generated token ids).
 """
 from __future__ import annotations
@@ -31,6 +32,8 @@ class SamplingFields(BaseModel):
     temperature: float = Field(default=1.0, ge=0.0)       # OpenAI's default; 0 = greedy
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=-1)                   # vLLM extension; 0 / -1 = no limit
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)      # vLLM extension; 0 = no limit
+    priority: int = 0                                      # vLLM extension; lower first (policy=priority)
     seed: int | None = None
     stop: Union[str, list[str], None] = None
     n: int = Field(default=1, ge=1)

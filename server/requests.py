@@ -109,7 +109,8 @@ def sampling_params(body: SamplingFields, prompt_len: int, limits: ModelLimits, 
             raise bad_request("stop strings must not be empty", "stop")
     try:
         return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                              top_k=body.top_k, seed=body.seed, ignore_eos=body.ignore_eos, stop=stop)
+                              top_k=body.top_k, min_p=body.min_p, priority=body.priority, seed=body.seed,
+                              ignore_eos=body.ignore_eos, stop=stop)
     except ValueError as error:
         raise bad_request(str(error), None) from error
 

@@ -85,12 +85,12 @@ def test_usage_reports_prefix_cache_hits() -> None:
 
 
 def test_seeded_sampling_over_http_matches_in_process() -> None:
-    params = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, top_k=50, seed=7, ignore_eos=True)
+    params = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, top_k=50, min_p=0.05, seed=7, ignore_eos=True)
     expected = tiny_llm().generate([PROMPTS[1]], params)[0].token_ids
     with live_server(tiny_llm()) as url:
         got = client(url).completions.create(
             model=MODEL, prompt=PROMPTS[1], max_tokens=12, temperature=0.9, top_p=0.9, seed=7,
-            extra_body={"top_k": 50, "ignore_eos": True, "return_token_ids": True})
+            extra_body={"top_k": 50, "min_p": 0.05, "ignore_eos": True, "return_token_ids": True})
     assert got.choices[0].token_ids == expected
 
 
@@ -176,6 +176,8 @@ BAD_REQUESTS = [  # (body, param, words the message must contain)
     ({"model": MODEL, "prompt": [1, 2], "max_tokens": "5"}, "max_tokens", ["integer"]),
     ({"model": MODEL, "prompt": [1, 2], "temperature": "hot"}, "temperature", ["number"]),
     ({"model": MODEL, "prompt": [1, 2], "n": 2}, "n", ["n must be 1"]),
+    ({"model": MODEL, "prompt": [1, 2], "min_p": 1.5}, "min_p", ["less than or equal to 1"]),
+    ({"model": MODEL, "prompt": [1, 2], "priority": 0.5}, "priority", ["integer"]),
     ({"model": "gpt-4", "prompt": [1, 2]}, "model", ["'gpt-4'", "'tiny'"]),
     ({"model": MODEL, "prompt": [1] * 600, "max_tokens": 4}, "prompt", ["600", "512"]),
     ({"model": MODEL, "prompt": [1, 2], "max_tokens": 511}, "max_tokens", ["513", "512"]),
