@@ -93,22 +93,59 @@ static inline __attribute__((always_inline)) void accumulate_values(
     for (int i = 0; i < width; ++i) acc[d0 + i] = a[i];
 }
 
+/* r[i][l] <- r[l][i] for a 16 x 16 block: four stages, each swapping the off-diagonal k x k
+ * sub-blocks of every 2k x 2k block (k = 8, 4, 2, 1) with two-vector shuffles. */
+static inline void transpose16(f32x16 r[16]) {
+    for (int i = 0; i < 8; ++i) {
+        const f32x16 a = r[i], b = r[i + 8];
+        r[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+        r[i + 8] = __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    }
+    for (int i = 0; i < 16; ++i) {
+        if (i & 4) continue;
+        const f32x16 a = r[i], b = r[i + 4];
+        r[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
+        r[i + 4] = __builtin_shufflevector(a, b, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+    }
+    for (int i = 0; i < 16; ++i) {
+        if (i & 2) continue;
+        const f32x16 a = r[i], b = r[i + 2];
+        r[i] = __builtin_shufflevector(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
+        r[i + 2] = __builtin_shufflevector(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+    }
+    for (int i = 0; i < 16; i += 2) {
+        const f32x16 a = r[i], b = r[i + 1];
+        r[i] = __builtin_shufflevector(a, b, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
+        r[i + 1] = __builtin_shufflevector(a, b, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+    }
+}
+
 /* The group's prefix K of one KV head, packed as key tiles: tile t holds k_j[d] of its KEY_TILE keys
  * at k_t[(t * head_dim + d) * KEY_TILE + j], zeros past the last key. The score loop then takes
- * its 16 broadcasts per d from one cache line instead of 16 rows of the paged cache. */
+ * its 16 broadcasts per d from one cache line instead of 16 rows of the paged cache. Full tiles
+ * are transposed 16 x 16 in registers; a partial tile and a head_dim tail element by element. */
 static void pack_keys(const float *k_cache, const int32_t *blocks, int64_t num_keys, int64_t kv_head,
                       int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float *k_t) {
     const int64_t slot_stride = num_kv_heads * head_dim;
-    const int64_t padded = (num_keys + KEY_TILE - 1) / KEY_TILE * KEY_TILE;
-    for (int64_t position = 0; position < padded; ++position) {
-        float *dst = k_t + (position / KEY_TILE * head_dim) * KEY_TILE + position % KEY_TILE;
-        if (position >= num_keys) {
-            for (int64_t d = 0; d < head_dim; ++d) dst[d * KEY_TILE] = 0.0f;
-            continue;
+    for (int64_t first = 0; first < num_keys; first += KEY_TILE, k_t += head_dim * KEY_TILE) {
+        const int64_t tile_len = num_keys - first < KEY_TILE ? num_keys - first : KEY_TILE;
+        const float *key_rows[KEY_TILE];
+        for (int64_t j = 0; j < tile_len; ++j) {
+            const int64_t position = first + j;
+            const int64_t slot = (int64_t)blocks[position / block_size] * block_size + position % block_size;
+            key_rows[j] = k_cache + slot * slot_stride + kv_head * head_dim;
         }
-        const int64_t slot = (int64_t)blocks[position / block_size] * block_size + position % block_size;
-        const float *src = k_cache + slot * slot_stride + kv_head * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) dst[d * KEY_TILE] = src[d];
+        int64_t d0 = 0;
+        if (tile_len == KEY_TILE) {
+            for (; d0 + KEY_TILE <= head_dim; d0 += KEY_TILE) {
+                f32x16 r[KEY_TILE];
+                for (int j = 0; j < KEY_TILE; ++j) memcpy(&r[j], key_rows[j] + d0, sizeof r[j]);
+                transpose16(r);
+                for (int i = 0; i < KEY_TILE; ++i) memcpy(k_t + (d0 + i) * KEY_TILE, &r[i], sizeof r[i]);
+            }
+        }
+        for (int64_t d = d0; d < head_dim; ++d)
+            for (int64_t j = 0; j < KEY_TILE; ++j) k_t[d * KEY_TILE + j] = j < tile_len ? key_rows[j][d] : 0.0f;
     }
 }
 
