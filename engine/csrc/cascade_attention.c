@@ -56,17 +56,13 @@ static inline f32x16 fma16(f32x16 a, f32x16 b, f32x16 c) {
 
 static inline f32x16 broadcast16(float v) { return (f32x16){v, v, v, v, v, v, v, v, v, v, v, v, v, v, v, v}; }
 
-static inline f32x16 max16(f32x16 a, f32x16 b) {
-    const i32x16 mask = a > b;
-    return (f32x16)(((i32x16)a & mask) | ((i32x16)b & ~mask));
+static inline f32x16 select16(i32x16 mask, f32x16 if_true, f32x16 if_false) {
+    return (f32x16)(((i32x16)if_true & mask) | ((i32x16)if_false & ~mask));
 }
 
-/* exp8 (common.h) on both halves: same polynomial, same accuracy as paged_attention.c. */
-static inline f32x16 exp16(f32x16 x) {
-    const f32x8 lo = exp8(__builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7));
-    const f32x8 hi = exp8(__builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15));
-    return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-}
+static inline f32x16 max16(f32x16 a, f32x16 b) { return select16(a > b, a, b); }
+
+DEFINE_VECTOR_EXP(exp16, f32x16, i32x16, select16) /* exp8's polynomial (common.h) on 16 lanes */
 
 /* scores[j] = q^T . k_j for the KEY_TILE keys of one packed tile (k_t[d * KEY_TILE + j] = k_j[d]). */
 static inline void score_tile(const f32x16 *q_t, const float *k_t, int64_t head_dim, f32x16 *scores) {
@@ -79,15 +75,17 @@ static inline void score_tile(const f32x16 *q_t, const float *k_t, int64_t head_
     for (int j = 0; j < KEY_TILE; ++j) scores[j] = s[j];
 }
 
-/* acc[d0 + i] += sum_j weights[j] * value_rows[j][d0 + i] for i < width (inlined with width = 16:
- * the accumulators stay in registers; the remainder of an odd head_dim takes the generic path). */
+/* acc[d0 + i] += sum_j weights[j] * values[j * head_dim + d0 + i] for i < width (inlined with
+ * width = 16: the accumulators stay in registers; the remainder of an odd head_dim takes the
+ * generic path). */
 static inline __attribute__((always_inline)) void accumulate_values(
-    f32x16 *acc, const f32x16 *weights, const float *const *value_rows, int64_t num_keys, int64_t d0, int width) {
+    f32x16 *acc, const f32x16 *weights, const float *values, int64_t num_keys, int64_t head_dim, int64_t d0,
+    int width) {
     f32x16 a[DIM_TILE];
     for (int i = 0; i < width; ++i) a[i] = acc[d0 + i];
     for (int64_t j = 0; j < num_keys; ++j) {
         const f32x16 p = weights[j];
-        const float *value = value_rows[j] + d0;
+        const float *value = values + j * head_dim + d0;
         for (int i = 0; i < width; ++i) a[i] = fma16(p, broadcast16(value[i]), a[i]);
     }
     for (int i = 0; i < width; ++i) acc[d0 + i] = a[i];
@@ -120,12 +118,15 @@ static inline void transpose16(f32x16 r[16]) {
     }
 }
 
-/* The group's prefix K of one KV head, packed as key tiles: tile t holds k_j[d] of its KEY_TILE keys
- * at k_t[(t * head_dim + d) * KEY_TILE + j], zeros past the last key. The score loop then takes
- * its 16 broadcasts per d from one cache line instead of 16 rows of the paged cache. Full tiles
- * are transposed 16 x 16 in registers; a partial tile and a head_dim tail element by element. */
-static void pack_keys(const float *k_cache, const int32_t *blocks, int64_t num_keys, int64_t kv_head,
-                      int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float *k_t) {
+/* The group's prefix K and V of one KV head, copied out of the paged cache once per call for all
+ * its work items. K is packed as key tiles: tile t holds k_j[d] of its KEY_TILE keys at
+ * k_t[(t * head_dim + d) * KEY_TILE + j], zeros past the last key, so the score loop takes its 16
+ * broadcasts per d from one cache line; full tiles are transposed 16 x 16 in registers, a partial
+ * tile and a head_dim tail element by element. V rows are copied side by side ([keys][head_dim]),
+ * so the value loop walks one pointer. */
+static void pack_prefix(const float *k_cache, const float *v_cache, const int32_t *blocks, int64_t num_keys,
+                        int64_t kv_head, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float *k_t,
+                        float *values) {
     const int64_t slot_stride = num_kv_heads * head_dim;
     for (int64_t first = 0; first < num_keys; first += KEY_TILE, k_t += head_dim * KEY_TILE) {
         const int64_t tile_len = num_keys - first < KEY_TILE ? num_keys - first : KEY_TILE;
@@ -134,6 +135,8 @@ static void pack_keys(const float *k_cache, const int32_t *blocks, int64_t num_k
             const int64_t position = first + j;
             const int64_t slot = (int64_t)blocks[position / block_size] * block_size + position % block_size;
             key_rows[j] = k_cache + slot * slot_stride + kv_head * head_dim;
+            memcpy(values + position * head_dim, v_cache + slot * slot_stride + kv_head * head_dim,
+                   sizeof(float) * head_dim);
         }
         int64_t d0 = 0;
         if (tile_len == KEY_TILE) {
@@ -150,17 +153,14 @@ static void pack_keys(const float *k_cache, const int32_t *blocks, int64_t num_k
 }
 
 static void prefix_item(
-    const float *query, int64_t query_token_stride, const float *k_t, const float *v_cache,
-    const int32_t *rows, int64_t num_rows, const int32_t *blocks, int64_t num_keys, int64_t kv_head,
-    int64_t first_vector, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-    float scale, float *out, int64_t out_token_stride, const float *lse) {
+    const float *query, int64_t query_token_stride, const float *k_t, const float *values, const int32_t *rows,
+    int64_t num_rows, int64_t num_keys, int64_t kv_head, int64_t first_vector, int64_t num_heads,
+    int64_t num_kv_heads, int64_t head_dim, float scale, float *out, int64_t out_token_stride, const float *lse) {
     const int64_t group = num_heads / num_kv_heads;
-    const int64_t slot_stride = num_kv_heads * head_dim;
     const int64_t count = num_rows * group - first_vector < LANES ? num_rows * group - first_vector : LANES;
     int64_t token[LANES], head[LANES];
     f32x16 q_t[MAX_HEAD_DIM], acc[MAX_HEAD_DIM];
     f32x16 scores[KEY_CHUNK];
-    const float *value_rows[KEY_CHUNK];
 
     for (int64_t d = 0; d < head_dim; ++d) q_t[d] = acc[d] = (f32x16){0};
     for (int64_t lane = 0; lane < count; ++lane) { /* lanes past count stay 0: scores 0, never written */
@@ -188,17 +188,15 @@ static void prefix_item(
         running_sum *= correction;
         for (int64_t d = 0; d < head_dim; ++d) acc[d] *= correction;
         for (int64_t j = 0; j < chunk_len; ++j) {
-            const int64_t position = chunk + j;
-            const int64_t slot = (int64_t)blocks[position / block_size] * block_size + position % block_size;
-            value_rows[j] = v_cache + slot * slot_stride + kv_head * head_dim;
             scores[j] = exp16(scores[j] - new_max);
             running_sum += scores[j];
         }
         running_max = new_max;
         int64_t d0 = 0;
         for (; d0 + DIM_TILE <= head_dim; d0 += DIM_TILE)
-            accumulate_values(acc, scores, value_rows, chunk_len, d0, DIM_TILE);
-        if (d0 < head_dim) accumulate_values(acc, scores, value_rows, chunk_len, d0, (int)(head_dim - d0));
+            accumulate_values(acc, scores, values + chunk * head_dim, chunk_len, head_dim, d0, DIM_TILE);
+        if (d0 < head_dim)
+            accumulate_values(acc, scores, values + chunk * head_dim, chunk_len, head_dim, d0, (int)(head_dim - d0));
     }
     for (int64_t lane = 0; lane < count; ++lane) {
         const float shared_lse = running_max[lane] + logf(running_sum[lane]);
@@ -227,7 +225,7 @@ int cascade_prefix_attention_f32(
     if (head_dim > MAX_HEAD_DIM || num_heads % num_kv_heads != 0) return 1;
     const int64_t group = num_heads / num_kv_heads;
     /* item_starts[g]: first work item of group g (num_kv_heads x tiles of its query vectors);
-     * packed_starts[g]: its packed keys (num_kv_heads x padded keys x head_dim floats) */
+     * packed_starts[g]: its packed prefix, per KV head padded keys x head_dim floats of K, then of V */
     int64_t *item_starts = malloc(sizeof(int64_t) * 2 * (num_groups + 1));
     if (item_starts == NULL) return 2;
     int64_t *packed_starts = item_starts + num_groups + 1;
@@ -236,7 +234,7 @@ int cascade_prefix_attention_f32(
         const int64_t tiles = ((row_starts[g + 1] - row_starts[g]) * group + LANES - 1) / LANES;
         const int64_t keys = (block_starts[g + 1] - block_starts[g]) * block_size;
         item_starts[g + 1] = item_starts[g] + num_kv_heads * tiles;
-        packed_starts[g + 1] = packed_starts[g] + num_kv_heads * ((keys + KEY_TILE - 1) / KEY_TILE * KEY_TILE) * head_dim;
+        packed_starts[g + 1] = packed_starts[g] + num_kv_heads * 2 * ((keys + KEY_TILE - 1) / KEY_TILE * KEY_TILE) * head_dim;
     }
     float *packed = aligned_alloc(64, sizeof(float) * packed_starts[num_groups]);
     if (packed == NULL) {
@@ -249,9 +247,10 @@ int cascade_prefix_attention_f32(
 #pragma omp for schedule(dynamic, 1)
         for (int64_t unit = 0; unit < num_groups * num_kv_heads; ++unit) {
             const int64_t g = unit / num_kv_heads, h = unit % num_kv_heads;
-            const int64_t per_head = (packed_starts[g + 1] - packed_starts[g]) / num_kv_heads;
-            pack_keys(k_cache, blocks + block_starts[g], (block_starts[g + 1] - block_starts[g]) * block_size, h,
-                      num_kv_heads, head_dim, block_size, packed + packed_starts[g] + h * per_head);
+            const int64_t half = (packed_starts[g + 1] - packed_starts[g]) / num_kv_heads / 2;
+            float *k_t = packed + packed_starts[g] + 2 * h * half;
+            pack_prefix(k_cache, v_cache, blocks + block_starts[g], (block_starts[g + 1] - block_starts[g]) * block_size,
+                        h, num_kv_heads, head_dim, block_size, k_t, k_t + half);
         }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < num_items; ++item) {
@@ -260,11 +259,11 @@ int cascade_prefix_attention_f32(
             const int64_t num_rows = row_starts[g + 1] - row_starts[g];
             const int64_t tiles = (num_rows * group + LANES - 1) / LANES;
             const int64_t h = (item - item_starts[g]) / tiles, tile = (item - item_starts[g]) % tiles;
-            const int64_t per_head = (packed_starts[g + 1] - packed_starts[g]) / num_kv_heads;
-            prefix_item(query, query_token_stride, packed + packed_starts[g] + h * per_head, v_cache,
-                        rows + row_starts[g], num_rows, blocks + block_starts[g],
+            const int64_t half = (packed_starts[g + 1] - packed_starts[g]) / num_kv_heads / 2;
+            const float *k_t = packed + packed_starts[g] + 2 * h * half;
+            prefix_item(query, query_token_stride, k_t, k_t + half, rows + row_starts[g], num_rows,
                         (block_starts[g + 1] - block_starts[g]) * block_size, h, tile * LANES, num_heads,
-                        num_kv_heads, head_dim, block_size, scale, out, out_token_stride, lse);
+                        num_kv_heads, head_dim, scale, out, out_token_stride, lse);
         }
     }
     free(packed);
