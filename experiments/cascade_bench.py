@@ -9,8 +9,11 @@ medians are reported, with their ratio.
 
 ``--engine MODEL`` measures whole engine decode steps instead: two ``LLM``s (``cache=prefix``,
 one per backend) serve the same users (a leader first, so everyone else shares its prompt
-blocks), then take decode steps alternately; medians of ``StepRecord.duration_s``. The
-workload-driven counterpart is ``python run.py +experiment=shared_prefix_attention``.
+blocks), then take decode steps alternately; medians of ``StepRecord.duration_s`` (wall) and of
+the process CPU time of each step. On a machine shared with other jobs, ``--threads 1`` and the
+CPU-time columns are the robust comparison (a descheduled process does not accrue CPU time);
+with more threads CPU time also counts OpenMP's spin-waiting, so compare wall time on a quiet
+machine. The workload-driven counterpart is ``python run.py +experiment=shared_prefix_attention``.
 
     python -m experiments.cascade_bench --users 1 8 16 30 --shared-tokens 500
     python -m experiments.cascade_bench --engine smollm2-135m --users 8 16 30 --threads 1
@@ -65,8 +68,10 @@ def time_step(backend, caches, metadata, rows, scale: float) -> float:
     return time.perf_counter() - start
 
 
-def engine_decode_steps(model: str, users: int, shared_tokens: int, own_tokens: int, reps: int) -> dict[str, list[float]]:
-    """Interleaved whole decode steps (seconds) of ``cpu_paged`` and ``cpu_paged_cascade`` engines."""
+def engine_decode_steps(model: str, users: int, shared_tokens: int, own_tokens: int,
+                        reps: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Interleaved whole decode steps of ``cpu_paged`` and ``cpu_paged_cascade`` engines: (wall
+    seconds, process CPU seconds) per backend."""
     names = ("cpu_paged", "cpu_paged_cascade")
     llms = {name: LLM(model=model, cache="prefix", attention=name, device="cpu", max_num_seqs=max(users, 1))
             for name in names}
@@ -83,16 +88,19 @@ def engine_decode_steps(model: str, users: int, shared_tokens: int, own_tokens: 
         while llm.step_records[-1].num_prefill_tokens:  # the others' prefill (prefix hits)
             llm.step()
     times: dict[str, list[float]] = {name: [] for name in names}
+    cpu_times: dict[str, list[float]] = {name: [] for name in names}
     for _ in range(reps):
         for name in names:
+            start = time.process_time()
             llms[name].step()
+            cpu_times[name].append(time.process_time() - start)
             record = llms[name].step_records[-1]
             if record.num_prefill_tokens or record.num_seqs != users:
                 raise RuntimeError(f"expected a decode step of {users} users, got {record}")
             times[name].append(record.duration_s)
     if users >= 2 and not llms["cpu_paged_cascade"].attention.stats.cascade_calls:
         raise RuntimeError("the cascade path never ran: the users do not share prefix blocks")
-    return times
+    return times, cpu_times
 
 
 def main() -> None:
@@ -113,12 +121,15 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     if args.engine:
         print(f"engine={args.engine} threads={torch.get_num_threads()} shared={args.shared_tokens} own={args.own_tokens}")
-        print("| users | cpu_paged step ms | cpu_paged_cascade step ms | speedup |")
-        print("| --- | --- | --- | --- |")
+        print("| users | cpu_paged step ms | cpu_paged_cascade step ms | speedup | cpu_paged CPU ms "
+              "| cpu_paged_cascade CPU ms | CPU-time speedup |")
+        print("| --- | --- | --- | --- | --- | --- | --- |")
         for users in args.users:
-            times = engine_decode_steps(args.engine, users, args.shared_tokens, args.own_tokens, args.reps)
-            p, c = statistics.median(times["cpu_paged"]), statistics.median(times["cpu_paged_cascade"])
-            print(f"| {users} | {p * 1e3:.1f} | {c * 1e3:.1f} | {p / c:.2f}x |", flush=True)
+            wall, cpu = engine_decode_steps(args.engine, users, args.shared_tokens, args.own_tokens, args.reps)
+            p, c = statistics.median(wall["cpu_paged"]), statistics.median(wall["cpu_paged_cascade"])
+            pc, cc = statistics.median(cpu["cpu_paged"]), statistics.median(cpu["cpu_paged_cascade"])
+            print(f"| {users} | {p * 1e3:.1f} | {c * 1e3:.1f} | {p / c:.2f}x "
+                  f"| {pc * 1e3:.1f} | {cc * 1e3:.1f} | {pc / cc:.2f}x |", flush=True)
         return
     plain, cascade = CpuPagedBackend(), CpuPagedCascadeBackend()
     print(f"threads={torch.get_num_threads()} layers={args.layers} heads={args.heads}/{args.kv_heads} "

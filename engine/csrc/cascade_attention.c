@@ -2,25 +2,26 @@
  * group attend *together* to the prefix blocks they all share, and the result is merged into each
  * sequence's own-part output (cpu_paged's kernel run from the prefix end, with log-sum-exps).
  *
- * Why a separate pass pays off on a CPU: per-sequence attention (paged_attention.c) scores one
- * query vector against one key row at a time: dot products that end in a horizontal sum, each key
- * row loaded again for every sequence. Here the 16 lanes of one 512-bit vector hold 16 *query
- * vectors* of the group (members x query heads of one KV head), so the work becomes two small
- * matrix products with a register tile, like a GEMM microkernel:
- *   scores:  S[j][lane] += q[lane][d] * k[j][d]   (per d: one load of q^T[d], 16 keys' k[j][d]
- *            broadcast into 16 fused multiply-adds; 16 accumulators = a tile of 16 keys)
- *   values:  O[d][lane] += p[j][lane] * v[j][d]   (per key: one load of p[j], 16 dims' v[j][d]
- *            broadcast into 16 fused multiply-adds; 16 accumulators = a tile of 16 dims)
- * No horizontal sums, one vector load per 16 FMAs, and each shared K/V row is read once per 16
- * query vectors instead of once per query head and sequence. The softmax over a chunk of keys is
- * lane-wise (a vertical max and sum), online across chunks (running max m, running sum l,
- * accumulators rescaled when m grows).
+ * Why a separate pass pays off on a CPU: the shared K/V is small and stays in cache, so the cost
+ * is arithmetic, not memory traffic. Per-sequence attention (paged_attention.c) scores one query
+ * vector against one key row at a time: dot products that end in a horizontal sum. Here the lanes
+ * of one vector (16 with AVX-512, 8 with AVX2: LANES) hold LANES *query vectors* of the group
+ * (members x query heads of one KV head), so the work becomes two small matrix products with a
+ * register tile, like a GEMM microkernel:
+ *   scores:  S[j][lane] += q[lane][d] * k[j][d]   (per d: one load of q^T[d], LANES keys' k[j][d]
+ *            broadcast into LANES fused multiply-adds; LANES accumulators = a tile of keys)
+ *   values:  O[d][lane] += p[j][lane] * v[j][d]   (per key: one load of p[j], LANES dims' v[j][d]
+ *            broadcast into LANES fused multiply-adds; LANES accumulators = a tile of dims)
+ * No horizontal sums and one vector load per LANES multiply-adds. The softmax over a chunk of keys
+ * is lane-wise (a vertical max and sum), online across chunks (running max m, running sum l,
+ * accumulators rescaled when m grows). Each (group, KV head)'s prefix is first copied out of the
+ * paged cache once per call: K transposed into key tiles, V rows side by side (pack_prefix).
  *
- * One work item = (group, KV head, tile of 16 query vectors); items run in parallel on torch's
- * OpenMP runtime (same libgomp soname, see engine/native.py). Each item ends by merging its
- * result into `out`: with the shared part's log-sum-exp s1 = m + log l and the own part's s2 (read
- * from `lse`), out = (o1 e^{s1} + o2 e^{s2}) / (e^{s1} + e^{s2}) exactly. Every query vector
- * belongs to one item, so items never write the same output.
+ * Work items = (group, KV head, tile of LANES query vectors) run in parallel on torch's OpenMP
+ * runtime (same libgomp soname, see engine/native.py). Each item ends by merging its result into
+ * `out`: with the shared part's log-sum-exp s1 = m + log l and the own part's s2 (read from
+ * `lse`), out = (o1 e^{s1} + o2 e^{s2}) / (e^{s1} + e^{s2}) exactly. Every query vector belongs
+ * to one item, so items never write the same output.
  *
  * Built and loaded by engine/native.py (cc -O3 -march=native -fopenmp); the wrapper is
  * strategies/attention/cpu_paged_cascade.py.
@@ -29,99 +30,101 @@
 
 #include "common.h"
 
-#define LANES 16       /* query vectors per work item: one per lane of a 16-float vector */
-#define KEY_TILE 16    /* keys scored together in registers */
-#define DIM_TILE 16    /* output dims accumulated together in registers */
-#define KEY_CHUNK 256  /* keys per online-softmax update (scores buffer: 16 KB) */
+/* The vector width follows the ISA the kernel is compiled for (-march=native): 16 lanes and 32
+ * registers with AVX-512, 8 lanes and 16 registers with AVX2. A register tile is LANES keys
+ * (scores) or LANES dims (values) by one vector of LANES query vectors, plus the operand: it fits
+ * either register file. */
+#if defined(__AVX512F__)
+#define LANES 16
+typedef float vf __attribute__((vector_size(64)));
+typedef int32_t vi __attribute__((vector_size(64)));
+static inline vf vfma(vf a, vf b, vf c) { return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c); }
+static inline vf vbroadcast(float v) { return (vf)_mm512_set1_ps(v); }
+#else
+#define LANES 8
+typedef f32x8 vf;
+typedef i32x8 vi;
+static inline vf vfma(vf a, vf b, vf c) { return fma8(a, b, c); }
+static inline vf vbroadcast(float v) { return (vf){v, v, v, v, v, v, v, v}; }
+#endif
+#define KEY_TILE LANES   /* keys scored together in registers; also the side of the packing transpose */
+#define DIM_TILE LANES   /* output dims accumulated together in registers */
+#define KEY_CHUNK 256    /* keys per online-softmax update (a buffer of 256 score vectors) */
 #define MAX_HEAD_DIM 256
 
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef int32_t i32x16 __attribute__((vector_size(64)));
-
-#if defined(__AVX512F__)
-static inline f32x16 fma16(f32x16 a, f32x16 b, f32x16 c) {
-    return (f32x16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+static inline vf vselect(vi mask, vf if_true, vf if_false) {
+    return (vf)(((vi)if_true & mask) | ((vi)if_false & ~mask));
 }
-#else /* two halves: one ymm FMA each where the CPU has AVX2 + FMA */
-static inline f32x16 fma16(f32x16 a, f32x16 b, f32x16 c) {
-    const f32x8 lo = fma8(__builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7),
-                          __builtin_shufflevector(b, b, 0, 1, 2, 3, 4, 5, 6, 7),
-                          __builtin_shufflevector(c, c, 0, 1, 2, 3, 4, 5, 6, 7));
-    const f32x8 hi = fma8(__builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15),
-                          __builtin_shufflevector(b, b, 8, 9, 10, 11, 12, 13, 14, 15),
-                          __builtin_shufflevector(c, c, 8, 9, 10, 11, 12, 13, 14, 15));
-    return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+
+static inline vf vmax(vf a, vf b) { return vselect(a > b, a, b); }
+
+/* r[i][l] <- r[l][i] for a LANES x LANES block, in log2(LANES) stages: stage k swaps the
+ * off-diagonal k x k sub-blocks of every 2k x 2k block (rows i and i + k, lanes taken from both
+ * with one two-vector shuffle each). */
+#define LIST(...) __VA_ARGS__
+#define STAGE(k, low, high)                                \
+    for (int i = 0; i < LANES; ++i) {                      \
+        if (i & k) continue;                               \
+        const vf a = r[i], b = r[i + k];                   \
+        r[i] = __builtin_shufflevector(a, b, LIST low);    \
+        r[i + k] = __builtin_shufflevector(a, b, LIST high); \
+    }
+#if LANES == 16
+DEFINE_VECTOR_EXP(vexp, vf, vi, vselect) /* exp8's polynomial (common.h) on 16 lanes */
+
+static inline void transpose_tile(vf r[LANES]) {
+    STAGE(8, (0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23),
+             (8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31))
+    STAGE(4, (0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27),
+             (4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31))
+    STAGE(2, (0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29),
+             (2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31))
+    STAGE(1, (0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30),
+             (1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31))
+}
+#else
+#define vexp exp8
+
+static inline void transpose_tile(vf r[LANES]) {
+    STAGE(4, (0, 1, 2, 3, 8, 9, 10, 11), (4, 5, 6, 7, 12, 13, 14, 15))
+    STAGE(2, (0, 1, 8, 9, 4, 5, 12, 13), (2, 3, 10, 11, 6, 7, 14, 15))
+    STAGE(1, (0, 8, 2, 10, 4, 12, 6, 14), (1, 9, 3, 11, 5, 13, 7, 15))
 }
 #endif
-
-static inline f32x16 broadcast16(float v) { return (f32x16){v, v, v, v, v, v, v, v, v, v, v, v, v, v, v, v}; }
-
-static inline f32x16 select16(i32x16 mask, f32x16 if_true, f32x16 if_false) {
-    return (f32x16)(((i32x16)if_true & mask) | ((i32x16)if_false & ~mask));
-}
-
-static inline f32x16 max16(f32x16 a, f32x16 b) { return select16(a > b, a, b); }
-
-DEFINE_VECTOR_EXP(exp16, f32x16, i32x16, select16) /* exp8's polynomial (common.h) on 16 lanes */
+#undef STAGE
+#undef LIST
 
 /* scores[j] = q^T . k_j for the KEY_TILE keys of one packed tile (k_t[d * KEY_TILE + j] = k_j[d]). */
-static inline void score_tile(const f32x16 *q_t, const float *k_t, int64_t head_dim, f32x16 *scores) {
-    f32x16 s[KEY_TILE];
-    for (int j = 0; j < KEY_TILE; ++j) s[j] = (f32x16){0};
+static inline void score_tile(const vf *q_t, const float *k_t, int64_t head_dim, vf *scores) {
+    vf s[KEY_TILE];
+    for (int j = 0; j < KEY_TILE; ++j) s[j] = (vf){0};
     for (int64_t d = 0; d < head_dim; ++d, k_t += KEY_TILE) {
-        const f32x16 q = q_t[d];
-        for (int j = 0; j < KEY_TILE; ++j) s[j] = fma16(q, broadcast16(k_t[j]), s[j]);
+        const vf q = q_t[d];
+        for (int j = 0; j < KEY_TILE; ++j) s[j] = vfma(q, vbroadcast(k_t[j]), s[j]);
     }
     for (int j = 0; j < KEY_TILE; ++j) scores[j] = s[j];
 }
 
 /* acc[d0 + i] += sum_j weights[j] * values[j * head_dim + d0 + i] for i < width (inlined with
- * width = 16: the accumulators stay in registers; the remainder of an odd head_dim takes the
+ * width = DIM_TILE: the accumulators stay in registers; the remainder of an odd head_dim takes the
  * generic path). */
 static inline __attribute__((always_inline)) void accumulate_values(
-    f32x16 *acc, const f32x16 *weights, const float *values, int64_t num_keys, int64_t head_dim, int64_t d0,
+    vf *acc, const vf *weights, const float *values, int64_t num_keys, int64_t head_dim, int64_t d0,
     int width) {
-    f32x16 a[DIM_TILE];
+    vf a[DIM_TILE];
     for (int i = 0; i < width; ++i) a[i] = acc[d0 + i];
     for (int64_t j = 0; j < num_keys; ++j) {
-        const f32x16 p = weights[j];
+        const vf p = weights[j];
         const float *value = values + j * head_dim + d0;
-        for (int i = 0; i < width; ++i) a[i] = fma16(p, broadcast16(value[i]), a[i]);
+        for (int i = 0; i < width; ++i) a[i] = vfma(p, vbroadcast(value[i]), a[i]);
     }
     for (int i = 0; i < width; ++i) acc[d0 + i] = a[i];
 }
 
-/* r[i][l] <- r[l][i] for a 16 x 16 block: four stages, each swapping the off-diagonal k x k
- * sub-blocks of every 2k x 2k block (k = 8, 4, 2, 1) with two-vector shuffles. */
-static inline void transpose16(f32x16 r[16]) {
-    for (int i = 0; i < 8; ++i) {
-        const f32x16 a = r[i], b = r[i + 8];
-        r[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
-        r[i + 8] = __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-    }
-    for (int i = 0; i < 16; ++i) {
-        if (i & 4) continue;
-        const f32x16 a = r[i], b = r[i + 4];
-        r[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
-        r[i + 4] = __builtin_shufflevector(a, b, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
-    }
-    for (int i = 0; i < 16; ++i) {
-        if (i & 2) continue;
-        const f32x16 a = r[i], b = r[i + 2];
-        r[i] = __builtin_shufflevector(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
-        r[i + 2] = __builtin_shufflevector(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
-    }
-    for (int i = 0; i < 16; i += 2) {
-        const f32x16 a = r[i], b = r[i + 1];
-        r[i] = __builtin_shufflevector(a, b, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
-        r[i + 1] = __builtin_shufflevector(a, b, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
-    }
-}
-
 /* The group's prefix K and V of one KV head, copied out of the paged cache once per call for all
  * its work items. K is packed as key tiles: tile t holds k_j[d] of its KEY_TILE keys at
- * k_t[(t * head_dim + d) * KEY_TILE + j], zeros past the last key, so the score loop takes its 16
- * broadcasts per d from one cache line; full tiles are transposed 16 x 16 in registers, a partial
+ * k_t[(t * head_dim + d) * KEY_TILE + j], zeros past the last key, so the score loop takes its
+ * KEY_TILE broadcasts per d from one cache line; full tiles are transposed in registers, a partial
  * tile and a head_dim tail element by element. V rows are copied side by side ([keys][head_dim]),
  * so the value loop walks one pointer. */
 static void pack_prefix(const float *k_cache, const float *v_cache, const int32_t *blocks, int64_t num_keys,
@@ -141,9 +144,9 @@ static void pack_prefix(const float *k_cache, const float *v_cache, const int32_
         int64_t d0 = 0;
         if (tile_len == KEY_TILE) {
             for (; d0 + KEY_TILE <= head_dim; d0 += KEY_TILE) {
-                f32x16 r[KEY_TILE];
+                vf r[KEY_TILE];
                 for (int j = 0; j < KEY_TILE; ++j) memcpy(&r[j], key_rows[j] + d0, sizeof r[j]);
-                transpose16(r);
+                transpose_tile(r);
                 for (int i = 0; i < KEY_TILE; ++i) memcpy(k_t + (d0 + i) * KEY_TILE, &r[i], sizeof r[i]);
             }
         }
@@ -152,6 +155,9 @@ static void pack_prefix(const float *k_cache, const float *v_cache, const int32_
     }
 }
 
+/* One work item: query vectors first_vector .. first_vector + LANES - 1 of the group's KV head
+ * kv_head (vector i = member i / group, query head kv_head * group + i % group) over the packed
+ * prefix, then merged into their own parts in `out`. */
 static void prefix_item(
     const float *query, int64_t query_token_stride, const float *k_t, const float *values, const int32_t *rows,
     int64_t num_rows, int64_t num_keys, int64_t kv_head, int64_t first_vector, int64_t num_heads,
@@ -159,10 +165,10 @@ static void prefix_item(
     const int64_t group = num_heads / num_kv_heads;
     const int64_t count = num_rows * group - first_vector < LANES ? num_rows * group - first_vector : LANES;
     int64_t token[LANES], head[LANES];
-    f32x16 q_t[MAX_HEAD_DIM], acc[MAX_HEAD_DIM];
-    f32x16 scores[KEY_CHUNK];
+    vf q_t[MAX_HEAD_DIM], acc[MAX_HEAD_DIM];
+    vf scores[KEY_CHUNK];
 
-    for (int64_t d = 0; d < head_dim; ++d) q_t[d] = acc[d] = (f32x16){0};
+    for (int64_t d = 0; d < head_dim; ++d) q_t[d] = acc[d] = (vf){0};
     for (int64_t lane = 0; lane < count; ++lane) { /* lanes past count stay 0: scores 0, never written */
         const int64_t vector = first_vector + lane;
         token[lane] = rows[vector / group];
@@ -170,25 +176,25 @@ static void prefix_item(
         const float *q = query + token[lane] * query_token_stride + head[lane] * head_dim;
         for (int64_t d = 0; d < head_dim; ++d) q_t[d][lane] = q[d] * scale;
     }
-    f32x16 running_max = broadcast16(-INFINITY), running_sum = (f32x16){0};
+    vf running_max = vbroadcast(-INFINITY), running_sum = (vf){0};
     for (int64_t chunk = 0; chunk < num_keys; chunk += KEY_CHUNK) {
         const int64_t chunk_len = num_keys - chunk < KEY_CHUNK ? num_keys - chunk : KEY_CHUNK;
-        f32x16 chunk_max = broadcast16(-INFINITY);
+        vf chunk_max = vbroadcast(-INFINITY);
         for (int64_t j0 = 0; j0 < chunk_len; j0 += KEY_TILE) {
-            f32x16 tile[KEY_TILE];
+            vf tile[KEY_TILE];
             score_tile(q_t, k_t + (chunk + j0) * head_dim, head_dim, tile);
             const int64_t tile_len = chunk_len - j0 < KEY_TILE ? chunk_len - j0 : KEY_TILE;
             for (int64_t j = 0; j < tile_len; ++j) {
                 scores[j0 + j] = tile[j];
-                chunk_max = max16(chunk_max, tile[j]);
+                chunk_max = vmax(chunk_max, tile[j]);
             }
         }
-        const f32x16 new_max = max16(running_max, chunk_max);
-        const f32x16 correction = exp16(running_max - new_max); /* ~0 on the first chunk (clamped), times 0 */
+        const vf new_max = vmax(running_max, chunk_max);
+        const vf correction = vexp(running_max - new_max); /* ~0 on the first chunk (clamped), times 0 */
         running_sum *= correction;
         for (int64_t d = 0; d < head_dim; ++d) acc[d] *= correction;
         for (int64_t j = 0; j < chunk_len; ++j) {
-            scores[j] = exp16(scores[j] - new_max);
+            scores[j] = vexp(scores[j] - new_max);
             running_sum += scores[j];
         }
         running_max = new_max;
