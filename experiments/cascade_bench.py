@@ -56,16 +56,17 @@ def decode_step(users: int, shared_tokens: int, own_tokens: int, block_size: int
     return caches, metadata
 
 
-def time_step(backend, caches, metadata, rows, scale: float) -> float:
-    """Seconds for one decode step's attention over all layers (metadata fresh per step, as in the engine)."""
+def time_step(backend, caches, metadata, rows, scale: float) -> tuple[float, float]:
+    """(wall, process CPU) seconds of one decode step's attention over all layers (metadata fresh
+    per step, as in the engine)."""
     step_metadata = AttentionMetadata(**{f: getattr(metadata, f) for f in (
         "query_start_loc", "query_lens", "context_lens", "slot_mapping", "block_tables", "block_size",
         "max_query_len", "max_context_len")})
     query, key, value = rows
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     for k_cache, v_cache in caches:
         backend.forward(query, key, value, k_cache, v_cache, step_metadata, scale)
-    return time.perf_counter() - start
+    return time.perf_counter() - start, time.process_time() - start_cpu
 
 
 def engine_decode_steps(model: str, users: int, shared_tokens: int, own_tokens: int,
@@ -134,8 +135,9 @@ def main() -> None:
     plain, cascade = CpuPagedBackend(), CpuPagedCascadeBackend()
     print(f"threads={torch.get_num_threads()} layers={args.layers} heads={args.heads}/{args.kv_heads} "
           f"head_dim={args.head_dim} shared={args.shared_tokens} own={args.own_tokens} block={args.block_size}")
-    print("| users | cpu_paged ms | cpu_paged_cascade ms | speedup |")
-    print("| --- | --- | --- | --- |")
+    print("| users | cpu_paged ms | cpu_paged_cascade ms | speedup | cpu_paged CPU ms | cpu_paged_cascade CPU ms "
+          "| CPU-time speedup |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for users in args.users:
         caches, metadata = decode_step(users, args.shared_tokens, args.own_tokens, args.block_size,
                                        args.kv_heads, args.head_dim, args.layers)
@@ -144,14 +146,14 @@ def main() -> None:
                 torch.randn(users, args.kv_heads, args.head_dim, generator=generator),
                 torch.randn(users, args.kv_heads, args.head_dim, generator=generator))
         scale = args.head_dim ** -0.5
-        times: dict[str, list[float]] = {"plain": [], "cascade": []}
+        times: dict[str, list[tuple[float, float]]] = {"plain": [], "cascade": []}
         for rep in range(args.reps + 2):  # two warm-up reps
             for name, backend in (("plain", plain), ("cascade", cascade)):
                 seconds = time_step(backend, caches, metadata, rows, scale)
                 if rep >= 2:
                     times[name].append(seconds)
-        p, c = statistics.median(times["plain"]), statistics.median(times["cascade"])
-        print(f"| {users} | {p * 1e3:.2f} | {c * 1e3:.2f} | {p / c:.2f}x |")
+        (p, pc), (c, cc) = ([statistics.median(t[i] for t in times[name]) for i in (0, 1)] for name in ("plain", "cascade"))
+        print(f"| {users} | {p * 1e3:.2f} | {c * 1e3:.2f} | {p / c:.2f}x | {pc * 1e3:.2f} | {cc * 1e3:.2f} | {pc / cc:.2f}x |")
     print(f"cascade path: {cascade.stats}")
 
 
