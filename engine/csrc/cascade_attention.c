@@ -121,37 +121,40 @@ static inline __attribute__((always_inline)) void accumulate_values(
     for (int i = 0; i < width; ++i) acc[d0 + i] = a[i];
 }
 
-/* The group's prefix K and V of one KV head, copied out of the paged cache once per call for all
- * its work items. K is packed as key tiles: tile t holds k_j[d] of its KEY_TILE keys at
+/* One key tile of a group's prefix (keys first .. first + KEY_TILE - 1), copied out of the paged
+ * cache for all the group's work items, for every KV head at once (a slot holds all KV heads side
+ * by side, so each cache line of the prefix is read once, in order). Per KV head, `packed` holds
+ * its K as key tiles, then its V rows: `half` floats each. K tile t holds k_j[d] at
  * k_t[(t * head_dim + d) * KEY_TILE + j], zeros past the last key, so the score loop takes its
  * KEY_TILE broadcasts per d from one cache line; full tiles are transposed in registers, a partial
- * tile and a head_dim tail element by element. V rows are copied side by side ([keys][head_dim]),
- * so the value loop walks one pointer. */
-static void pack_prefix(const float *k_cache, const float *v_cache, const int32_t *blocks, int64_t num_keys,
-                        int64_t kv_head, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float *k_t,
-                        float *values) {
+ * tile and a head_dim tail element by element. V rows lie side by side ([keys][head_dim]), so the
+ * value loop walks one pointer. */
+static void pack_tile(const float *k_cache, const float *v_cache, const int32_t *blocks, int64_t num_keys,
+                      int64_t first, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float *packed,
+                      int64_t half) {
     const int64_t slot_stride = num_kv_heads * head_dim;
-    for (int64_t first = 0; first < num_keys; first += KEY_TILE, k_t += head_dim * KEY_TILE) {
-        const int64_t tile_len = num_keys - first < KEY_TILE ? num_keys - first : KEY_TILE;
-        const float *key_rows[KEY_TILE];
-        for (int64_t j = 0; j < tile_len; ++j) {
-            const int64_t position = first + j;
-            const int64_t slot = (int64_t)blocks[position / block_size] * block_size + position % block_size;
-            key_rows[j] = k_cache + slot * slot_stride + kv_head * head_dim;
-            memcpy(values + position * head_dim, v_cache + slot * slot_stride + kv_head * head_dim,
-                   sizeof(float) * head_dim);
-        }
+    const int64_t tile_len = num_keys - first < KEY_TILE ? num_keys - first : KEY_TILE;
+    int64_t rows[KEY_TILE]; /* offset of each key's slot in the caches */
+    for (int64_t j = 0; j < tile_len; ++j) {
+        const int64_t position = first + j;
+        rows[j] = ((int64_t)blocks[position / block_size] * block_size + position % block_size) * slot_stride;
+    }
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+        float *k_t = packed + 2 * h * half + first * head_dim, *values = packed + (2 * h + 1) * half + first * head_dim;
+        for (int64_t j = 0; j < tile_len; ++j)
+            memcpy(values + j * head_dim, v_cache + rows[j] + h * head_dim, sizeof(float) * head_dim);
         int64_t d0 = 0;
         if (tile_len == KEY_TILE) {
             for (; d0 + KEY_TILE <= head_dim; d0 += KEY_TILE) {
                 vf r[KEY_TILE];
-                for (int j = 0; j < KEY_TILE; ++j) memcpy(&r[j], key_rows[j] + d0, sizeof r[j]);
+                for (int j = 0; j < KEY_TILE; ++j) memcpy(&r[j], k_cache + rows[j] + h * head_dim + d0, sizeof r[j]);
                 transpose_tile(r);
                 for (int i = 0; i < KEY_TILE; ++i) memcpy(k_t + (d0 + i) * KEY_TILE, &r[i], sizeof r[i]);
             }
         }
         for (int64_t d = d0; d < head_dim; ++d)
-            for (int64_t j = 0; j < KEY_TILE; ++j) k_t[d * KEY_TILE + j] = j < tile_len ? key_rows[j][d] : 0.0f;
+            for (int64_t j = 0; j < KEY_TILE; ++j)
+                k_t[d * KEY_TILE + j] = j < tile_len ? k_cache[rows[j] + h * head_dim + d] : 0.0f;
     }
 }
 
@@ -216,47 +219,64 @@ static void prefix_item(
     }
 }
 
+/* Floats of one group's packed prefix: K and V of every KV head, keys padded to whole tiles. */
+static int64_t packed_floats(int64_t num_keys, int64_t num_kv_heads, int64_t head_dim) {
+    return num_kv_heads * 2 * ((num_keys + KEY_TILE - 1) / KEY_TILE * KEY_TILE) * head_dim;
+}
+
+/* The workspace cascade_prefix_attention_f32 needs for these groups, in floats. */
+int64_t cascade_workspace_floats(int64_t num_groups, const int64_t *block_starts, int64_t num_kv_heads,
+                                 int64_t head_dim, int64_t block_size) {
+    int64_t total = 0;
+    for (int64_t g = 0; g < num_groups; ++g)
+        total += packed_floats((block_starts[g + 1] - block_starts[g]) * block_size, num_kv_heads, head_dim);
+    return total;
+}
+
 /* Group g's members are the query tokens rows[row_starts[g] .. row_starts[g + 1]) (one decode token
  * each); they share the blocks blocks[block_starts[g] .. block_starts[g + 1]) as their first
  * blocks. `out` [T, num_heads, head_dim] (token stride out_token_stride) holds each member's own-part
- * output and `lse` [T, num_heads] its log-sum-exp; both parts are merged into `out`. Two phases in
- * one parallel region: pack each (group, KV head)'s prefix keys, then the items. Returns 0 on
- * success, 1 if head_dim exceeds MAX_HEAD_DIM or the heads do not group, 2 if the work buffers
- * could not be allocated. */
+ * output and `lse` [T, num_heads] its log-sum-exp; both parts are merged into `out`. `workspace`
+ * (cascade_workspace_floats floats, owned by the caller so that it is not allocated and faulted
+ * in again in every layer) receives the packed prefixes. Two phases in one parallel region: pack
+ * the groups' prefixes tile by tile, then the items. Returns 0 on success, 1 if head_dim exceeds
+ * MAX_HEAD_DIM or the heads do not group, 2 if the work list could not be allocated, 3 if the
+ * workspace is too small. */
 int cascade_prefix_attention_f32(
     const float *query, int64_t query_token_stride, const float *k_cache, const float *v_cache,
     int64_t num_groups, const int64_t *row_starts, const int32_t *rows, const int64_t *block_starts,
     const int32_t *blocks, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-    float scale, float *out, int64_t out_token_stride, const float *lse) {
+    float scale, float *out, int64_t out_token_stride, const float *lse, float *workspace,
+    int64_t workspace_floats) {
     if (head_dim > MAX_HEAD_DIM || num_heads % num_kv_heads != 0) return 1;
+    if (workspace_floats < cascade_workspace_floats(num_groups, block_starts, num_kv_heads, head_dim, block_size))
+        return 3;
     const int64_t group = num_heads / num_kv_heads;
     /* item_starts[g]: first work item of group g (num_kv_heads x tiles of its query vectors);
-     * packed_starts[g]: its packed prefix, per KV head padded keys x head_dim floats of K, then of V */
-    int64_t *item_starts = malloc(sizeof(int64_t) * 2 * (num_groups + 1));
+     * tile_starts[g]: first key tile of group g (the packing units);
+     * packed_starts[g]: its packed prefix in the workspace, per KV head its K tiles, then its V */
+    int64_t *item_starts = malloc(sizeof(int64_t) * 3 * (num_groups + 1));
     if (item_starts == NULL) return 2;
-    int64_t *packed_starts = item_starts + num_groups + 1;
-    item_starts[0] = packed_starts[0] = 0;
+    int64_t *tile_starts = item_starts + num_groups + 1, *packed_starts = tile_starts + num_groups + 1;
+    item_starts[0] = tile_starts[0] = packed_starts[0] = 0;
     for (int64_t g = 0; g < num_groups; ++g) {
         const int64_t tiles = ((row_starts[g + 1] - row_starts[g]) * group + LANES - 1) / LANES;
         const int64_t keys = (block_starts[g + 1] - block_starts[g]) * block_size;
         item_starts[g + 1] = item_starts[g] + num_kv_heads * tiles;
-        packed_starts[g + 1] = packed_starts[g] + num_kv_heads * 2 * ((keys + KEY_TILE - 1) / KEY_TILE * KEY_TILE) * head_dim;
-    }
-    float *packed = aligned_alloc(64, sizeof(float) * packed_starts[num_groups]);
-    if (packed == NULL) {
-        free(item_starts);
-        return 2;
+        tile_starts[g + 1] = tile_starts[g] + (keys + KEY_TILE - 1) / KEY_TILE;
+        packed_starts[g + 1] = packed_starts[g] + packed_floats(keys, num_kv_heads, head_dim);
     }
     const int64_t num_items = item_starts[num_groups];
 #pragma omp parallel
     {
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t unit = 0; unit < num_groups * num_kv_heads; ++unit) {
-            const int64_t g = unit / num_kv_heads, h = unit % num_kv_heads;
+        for (int64_t unit = 0; unit < tile_starts[num_groups]; ++unit) {
+            int64_t g = 0;
+            while (tile_starts[g + 1] <= unit) ++g;
             const int64_t half = (packed_starts[g + 1] - packed_starts[g]) / num_kv_heads / 2;
-            float *k_t = packed + packed_starts[g] + 2 * h * half;
-            pack_prefix(k_cache, v_cache, blocks + block_starts[g], (block_starts[g + 1] - block_starts[g]) * block_size,
-                        h, num_kv_heads, head_dim, block_size, k_t, k_t + half);
+            pack_tile(k_cache, v_cache, blocks + block_starts[g], (block_starts[g + 1] - block_starts[g]) * block_size,
+                      (unit - tile_starts[g]) * KEY_TILE, num_kv_heads, head_dim, block_size,
+                      workspace + packed_starts[g], half);
         }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < num_items; ++item) {
@@ -266,13 +286,12 @@ int cascade_prefix_attention_f32(
             const int64_t tiles = (num_rows * group + LANES - 1) / LANES;
             const int64_t h = (item - item_starts[g]) / tiles, tile = (item - item_starts[g]) % tiles;
             const int64_t half = (packed_starts[g + 1] - packed_starts[g]) / num_kv_heads / 2;
-            const float *k_t = packed + packed_starts[g] + 2 * h * half;
+            const float *k_t = workspace + packed_starts[g] + 2 * h * half;
             prefix_item(query, query_token_stride, k_t, k_t + half, rows + row_starts[g], num_rows,
                         (block_starts[g + 1] - block_starts[g]) * block_size, h, tile * LANES, num_heads,
                         num_kv_heads, head_dim, scale, out, out_token_stride, lse);
         }
     }
-    free(packed);
     free(item_starts);
     return 0;
 }

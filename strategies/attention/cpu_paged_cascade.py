@@ -39,14 +39,22 @@ from engine.attention_metadata import AttentionMetadata
 from strategies.attention.cpu_paged import CpuPagedBackend, _token_rows
 
 
+_POINTER, _I64 = ctypes.c_void_p, ctypes.c_int64
+
+
 def _kernel():
-    pointer, i64 = ctypes.c_void_p, ctypes.c_int64
     return native.function("cascade_attention", "cascade_prefix_attention_f32", [
-        pointer, i64, pointer, pointer,  # query, its token stride, k_cache, v_cache
-        i64, pointer, pointer, pointer, pointer,  # num_groups, row_starts, rows, block_starts, blocks
-        i64, i64, i64, i64,  # num_heads, num_kv_heads, head_dim, block_size
-        ctypes.c_float, pointer, i64, pointer,  # scale, out (own part in, merged out), its token stride, lse
+        _POINTER, _I64, _POINTER, _POINTER,  # query, its token stride, k_cache, v_cache
+        _I64, _POINTER, _POINTER, _POINTER, _POINTER,  # num_groups, row_starts, rows, block_starts, blocks
+        _I64, _I64, _I64, _I64,  # num_heads, num_kv_heads, head_dim, block_size
+        ctypes.c_float, _POINTER, _I64, _POINTER,  # scale, out (own part in, merged out), its token stride, lse
+        _POINTER, _I64,  # workspace, its size in floats
     ], ctypes.c_int)
+
+
+def _workspace_size():
+    # num_groups, block_starts, num_kv_heads, head_dim, block_size -> floats
+    return native.function("cascade_attention", "cascade_workspace_floats", [_I64, _POINTER, _I64, _I64, _I64], _I64)
 
 
 @dataclass(frozen=True)
@@ -137,6 +145,8 @@ class CpuPagedCascadeBackend(CpuPagedBackend):
             raise ValueError(f"min_shared_tokens must be >= 1, got {min_shared_tokens}")
         super().__init__()
         self._cascade = _kernel()  # builds it now: a missing compiler fails at startup
+        self._workspace_size = _workspace_size()
+        self._workspace = torch.empty(0)  # the kernel's packed prefixes; grows to the largest step seen
         self.min_group_size = min_group_size
         self.min_shared_tokens = min_shared_tokens
         self.stats = CascadeStats()
@@ -163,12 +173,20 @@ class CpuPagedCascadeBackend(CpuPagedBackend):
         lse = torch.empty(num_tokens, num_heads, dtype=torch.float32)
         out = self.attend(query, key, value, k_cache, v_cache, metadata, scale, kv_starts=plan.kv_starts, lse=lse)
         query = _token_rows(query)
+        num_kv_heads = k_cache.shape[2]
+        needed = metadata.cached(
+            ("cpu_paged_cascade.workspace", self.min_group_size, self.min_shared_tokens, num_kv_heads, head_dim),
+            lambda: self._workspace_size(len(plan.groups), plan.block_starts.data_ptr(), num_kv_heads, head_dim,
+                                         metadata.block_size),
+        )
+        if self._workspace.numel() < needed:
+            self._workspace = torch.empty(needed)
         status = self._cascade(
             query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
             len(plan.groups), plan.row_starts.data_ptr(), plan.rows.data_ptr(),
             plan.block_starts.data_ptr(), plan.blocks.data_ptr(),
-            num_heads, k_cache.shape[2], head_dim, metadata.block_size, scale, out.data_ptr(), out.stride(0),
-            lse.data_ptr(),
+            num_heads, num_kv_heads, head_dim, metadata.block_size, scale, out.data_ptr(), out.stride(0),
+            lse.data_ptr(), self._workspace.data_ptr(), self._workspace.numel(),
         )
         if status != 0:
             raise RuntimeError(f"{self.name} shared-prefix kernel failed with status {status}")
