@@ -161,7 +161,7 @@ class CpuPagedCascadeBackend(CpuPagedBackend):
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        if not metadata.is_decode_only:
+        if not metadata.is_decode_only or metadata.num_seqs < self.min_group_size:
             return self.attend(query, key, value, k_cache, v_cache, metadata, scale)
         plan = metadata.cached(
             ("cpu_paged_cascade.plan", self.min_group_size, self.min_shared_tokens),
