@@ -14,8 +14,8 @@ static inline f32x8 select8(i32x8 mask, f32x8 if_true, f32x8 if_false) {
     return (f32x8)(((i32x8)if_true & mask) | ((i32x8)if_false & ~mask));
 }
 
-/* exp of a vector of floats (DEFINE_VECTOR_EXP makes one per vector width: exp8 here, exp16 in
- * cascade_attention.c): Cephes' expf polynomial on x = n ln2 + r, |r| <= ln2 / 2, then 2^n
+/* exp of a vector of floats (DEFINE_VECTOR_EXP makes one per vector width: exp8 here, the
+ * 16-lane one in cascade_attention.c): Cephes' expf polynomial on x = n ln2 + r, |r| <= ln2 / 2, then 2^n
  * through the exponent bits; within 2 ulp of expf for x in [-87, 88]. Inputs outside are
  * clamped: below -87 the result (< 2e-38) stands in for 0, above 88 for +inf. Written with
  * vector types because GCC does not vectorise the bit cast of 2^n inside a scalar loop. */
