@@ -9,10 +9,10 @@ RadixAttention, splits each query's keys into the shared prefix and its own suff
 1. **own part, per sequence**: ``cpu_paged``'s C kernel over keys ``prefix .. end`` only (it
    takes per-sequence key starts), returning each query vector's log-sum-exp with its output;
 2. **shared part, once per group, merged in place** (``csrc/cascade_attention.c``): the queries
-   of all members x query heads of one KV head fill the lanes of a 16-float vector and attend to
-   the prefix keys together, as two register-tiled matrix products (scores, then values) instead
-   of one thin dot product per user and key — on a CPU the same multiply-adds, but without
-   horizontal sums and with one load per 16 of them. Both parts are softmax-normalised over
+   of all members x query heads of one KV head fill the lanes of a vector (16 with AVX-512, 8
+   with AVX2) and attend to the prefix keys together, as two register-tiled matrix products
+   (scores, then values) instead of one thin dot product per user and key — on a CPU the same
+   multiply-adds, but without horizontal sums and with one load per lane count of them. Both parts are softmax-normalised over
    their own keys; with their log-sum-exps ``s1``, ``s2`` the exact result is
    ``(o1 e^{s1} + o2 e^{s2}) / (e^{s1} + e^{s2})``, which the kernel writes over the own part.
 
@@ -112,9 +112,9 @@ def plan_groups(metadata: AttentionMetadata, min_group_size: int, min_shared_tok
     for rows in by_first_block.values():
         if len(rows) < min_group_size:
             continue
-        leader = tables[rows[0]]
+        leader, limit = tables[rows[0]], min(usable[row] for row in rows)
         common = 0
-        while common < min(usable[row] for row in rows) and all(tables[row][common] == leader[common] for row in rows):
+        while common < limit and all(tables[row][common] == leader[common] for row in rows):
             common += 1
         if common * block_size < min_shared_tokens:
             continue
