@@ -9,8 +9,11 @@ medians are reported, with their ratio.
 
 ``--engine MODEL`` measures whole engine decode steps instead: two ``LLM``s (``cache=prefix``,
 one per backend) serve the same users (a leader first, so everyone else shares its prompt
-blocks), then take decode steps alternately; medians of ``StepRecord.duration_s``. The
-workload-driven counterpart is ``python run.py +experiment=shared_prefix_attention``.
+blocks), then take decode steps alternately; medians of ``StepRecord.duration_s`` (wall) and of
+the process CPU time of each step. On a machine shared with other jobs, ``--threads 1`` and the
+CPU-time columns are the robust comparison (a descheduled process does not accrue CPU time);
+with more threads CPU time also counts OpenMP's spin-waiting, so compare wall time on a quiet
+machine. The workload-driven counterpart is ``python run.py +experiment=shared_prefix_attention``.
 
     python -m experiments.cascade_bench --users 1 8 16 30 --shared-tokens 500
     python -m experiments.cascade_bench --engine smollm2-135m --users 8 16 30 --threads 1
@@ -53,20 +56,23 @@ def decode_step(users: int, shared_tokens: int, own_tokens: int, block_size: int
     return caches, metadata
 
 
-def time_step(backend, caches, metadata, rows, scale: float) -> float:
-    """Seconds for one decode step's attention over all layers (metadata fresh per step, as in the engine)."""
+def time_step(backend, caches, metadata, rows, scale: float) -> tuple[float, float]:
+    """(wall, process CPU) seconds of one decode step's attention over all layers (metadata fresh
+    per step, as in the engine)."""
     step_metadata = AttentionMetadata(**{f: getattr(metadata, f) for f in (
         "query_start_loc", "query_lens", "context_lens", "slot_mapping", "block_tables", "block_size",
         "max_query_len", "max_context_len")})
     query, key, value = rows
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     for k_cache, v_cache in caches:
         backend.forward(query, key, value, k_cache, v_cache, step_metadata, scale)
-    return time.perf_counter() - start
+    return time.perf_counter() - start, time.process_time() - start_cpu
 
 
-def engine_decode_steps(model: str, users: int, shared_tokens: int, own_tokens: int, reps: int) -> dict[str, list[float]]:
-    """Interleaved whole decode steps (seconds) of ``cpu_paged`` and ``cpu_paged_cascade`` engines."""
+def engine_decode_steps(model: str, users: int, shared_tokens: int, own_tokens: int,
+                        reps: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Interleaved whole decode steps of ``cpu_paged`` and ``cpu_paged_cascade`` engines: (wall
+    seconds, process CPU seconds) per backend."""
     names = ("cpu_paged", "cpu_paged_cascade")
     llms = {name: LLM(model=model, cache="prefix", attention=name, device="cpu", max_num_seqs=max(users, 1))
             for name in names}
@@ -83,16 +89,19 @@ def engine_decode_steps(model: str, users: int, shared_tokens: int, own_tokens: 
         while llm.step_records[-1].num_prefill_tokens:  # the others' prefill (prefix hits)
             llm.step()
     times: dict[str, list[float]] = {name: [] for name in names}
+    cpu_times: dict[str, list[float]] = {name: [] for name in names}
     for _ in range(reps):
         for name in names:
+            start = time.process_time()
             llms[name].step()
+            cpu_times[name].append(time.process_time() - start)
             record = llms[name].step_records[-1]
             if record.num_prefill_tokens or record.num_seqs != users:
                 raise RuntimeError(f"expected a decode step of {users} users, got {record}")
             times[name].append(record.duration_s)
     if users >= 2 and not llms["cpu_paged_cascade"].attention.stats.cascade_calls:
         raise RuntimeError("the cascade path never ran: the users do not share prefix blocks")
-    return times
+    return times, cpu_times
 
 
 def main() -> None:
@@ -113,18 +122,22 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     if args.engine:
         print(f"engine={args.engine} threads={torch.get_num_threads()} shared={args.shared_tokens} own={args.own_tokens}")
-        print("| users | cpu_paged step ms | cpu_paged_cascade step ms | speedup |")
-        print("| --- | --- | --- | --- |")
+        print("| users | cpu_paged step ms | cpu_paged_cascade step ms | speedup | cpu_paged CPU ms "
+              "| cpu_paged_cascade CPU ms | CPU-time speedup |")
+        print("| --- | --- | --- | --- | --- | --- | --- |")
         for users in args.users:
-            times = engine_decode_steps(args.engine, users, args.shared_tokens, args.own_tokens, args.reps)
-            p, c = statistics.median(times["cpu_paged"]), statistics.median(times["cpu_paged_cascade"])
-            print(f"| {users} | {p * 1e3:.1f} | {c * 1e3:.1f} | {p / c:.2f}x |", flush=True)
+            wall, cpu = engine_decode_steps(args.engine, users, args.shared_tokens, args.own_tokens, args.reps)
+            p, c = statistics.median(wall["cpu_paged"]), statistics.median(wall["cpu_paged_cascade"])
+            pc, cc = statistics.median(cpu["cpu_paged"]), statistics.median(cpu["cpu_paged_cascade"])
+            print(f"| {users} | {p * 1e3:.1f} | {c * 1e3:.1f} | {p / c:.2f}x "
+                  f"| {pc * 1e3:.1f} | {cc * 1e3:.1f} | {pc / cc:.2f}x |", flush=True)
         return
     plain, cascade = CpuPagedBackend(), CpuPagedCascadeBackend()
     print(f"threads={torch.get_num_threads()} layers={args.layers} heads={args.heads}/{args.kv_heads} "
           f"head_dim={args.head_dim} shared={args.shared_tokens} own={args.own_tokens} block={args.block_size}")
-    print("| users | cpu_paged ms | cpu_paged_cascade ms | speedup |")
-    print("| --- | --- | --- | --- |")
+    print("| users | cpu_paged ms | cpu_paged_cascade ms | speedup | cpu_paged CPU ms | cpu_paged_cascade CPU ms "
+          "| CPU-time speedup |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for users in args.users:
         caches, metadata = decode_step(users, args.shared_tokens, args.own_tokens, args.block_size,
                                        args.kv_heads, args.head_dim, args.layers)
@@ -133,14 +146,14 @@ def main() -> None:
                 torch.randn(users, args.kv_heads, args.head_dim, generator=generator),
                 torch.randn(users, args.kv_heads, args.head_dim, generator=generator))
         scale = args.head_dim ** -0.5
-        times: dict[str, list[float]] = {"plain": [], "cascade": []}
+        times: dict[str, list[tuple[float, float]]] = {"plain": [], "cascade": []}
         for rep in range(args.reps + 2):  # two warm-up reps
             for name, backend in (("plain", plain), ("cascade", cascade)):
                 seconds = time_step(backend, caches, metadata, rows, scale)
                 if rep >= 2:
                     times[name].append(seconds)
-        p, c = statistics.median(times["plain"]), statistics.median(times["cascade"])
-        print(f"| {users} | {p * 1e3:.2f} | {c * 1e3:.2f} | {p / c:.2f}x |")
+        (p, pc), (c, cc) = ([statistics.median(t[i] for t in times[name]) for i in (0, 1)] for name in ("plain", "cascade"))
+        print(f"| {users} | {p * 1e3:.2f} | {c * 1e3:.2f} | {p / c:.2f}x | {pc * 1e3:.2f} | {cc * 1e3:.2f} | {pc / cc:.2f}x |")
     print(f"cascade path: {cascade.stats}")
 
 

@@ -89,6 +89,19 @@ def test_cascade_matches_reference_and_takes_the_cascade_path(heads, block_size)
     assert backend.stats.shared_rows_saved == (2 * 4 + 1 * 2) * block_size
 
 
+@pytest.mark.parametrize("heads,head_dim", [((9, 3), 64), ((4, 2), 24), ((3, 1), 8)])
+def test_cascade_at_model_shapes(heads, head_dim):
+    """SmolLM2's heads (9 query on 3 KV heads, head_dim 64) and head_dims with a partial 16-dim tile;
+    a 35-block prefix is more than two 256-key chunks of the kernel's online softmax, and 30 x 3
+    query vectors per KV head fill five 16-lane tiles and part of a sixth; a second, smaller group
+    shares a prefix of 5 blocks in the same step."""
+    rng = random.Random(7)
+    groups = [(35, [rng.randint(1, 40) for _ in range(30)]), (5, [rng.randint(1, 9) for _ in range(3)])]
+    backend = CpuPagedCascadeBackend()
+    check_backend(backend, shared_prefix_step(groups, 16, *heads, head_dim=head_dim, seed=1))
+    assert backend.stats.cascade_calls == 1 and backend.stats.groups == 2
+
+
 def test_groups_come_from_equal_leading_blocks():
     step = shared_prefix_step(GROUPS, 4, 4, 2, head_dim=8)
     plan = plan_groups(step.metadata, min_group_size=2, min_shared_tokens=1)

@@ -14,28 +14,32 @@ static inline f32x8 select8(i32x8 mask, f32x8 if_true, f32x8 if_false) {
     return (f32x8)(((i32x8)if_true & mask) | ((i32x8)if_false & ~mask));
 }
 
-/* exp of eight floats: Cephes' expf polynomial on x = n ln2 + r, |r| <= ln2 / 2, then 2^n
+/* exp of a vector of floats (DEFINE_VECTOR_EXP makes one per vector width: exp8 here, the
+ * 16-lane one in cascade_attention.c): Cephes' expf polynomial on x = n ln2 + r, |r| <= ln2 / 2, then 2^n
  * through the exponent bits; within 2 ulp of expf for x in [-87, 88]. Inputs outside are
  * clamped: below -87 the result (< 2e-38) stands in for 0, above 88 for +inf. Written with
  * vector types because GCC does not vectorise the bit cast of 2^n inside a scalar loop. */
-static inline f32x8 exp8(f32x8 x) {
-    const f32x8 zero = {0};
-    x = select8(x < zero - 87.0f, zero - 87.0f, x);
-    x = select8(x > zero + 88.0f, zero + 88.0f, x);
-    /* n = round(x / ln2): adding and subtracting 1.5 * 2^23 rounds to an integer (exact because
-     * |x / ln2| < 2^22, and contraction / reassociation are off in C11). */
-    const f32x8 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    const f32x8 r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    f32x8 p = zero + 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    const i32x8 two_to_n = (__builtin_convertvector(n, i32x8) + 127) << 23;
-    return p * (f32x8)two_to_n;
-}
+#define DEFINE_VECTOR_EXP(name, fvec, ivec, select)                                                   \
+    static inline fvec name(fvec x) {                                                                 \
+        const fvec zero = {0};                                                                        \
+        x = select(x < zero - 87.0f, zero - 87.0f, x);                                                \
+        x = select(x > zero + 88.0f, zero + 88.0f, x);                                                \
+        /* n = round(x / ln2): adding and subtracting 1.5 * 2^23 rounds to an integer (exact because  \
+         * |x / ln2| < 2^22, and contraction / reassociation are off in C11). */                       \
+        const fvec n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;                        \
+        const fvec r = x - n * 0.693359375f + n * 2.12194440e-4f;                                     \
+        fvec p = zero + 1.9875691500e-4f;                                                             \
+        p = p * r + 1.3981999507e-3f;                                                                 \
+        p = p * r + 8.3334519073e-3f;                                                                 \
+        p = p * r + 4.1665795894e-2f;                                                                 \
+        p = p * r + 1.6666665459e-1f;                                                                 \
+        p = p * r + 5.0000001201e-1f;                                                                 \
+        p = p * r * r + r + 1.0f;                                                                     \
+        const ivec two_to_n = (__builtin_convertvector(n, ivec) + 127) << 23;                         \
+        return p * (fvec)two_to_n;                                                                    \
+    }
+
+DEFINE_VECTOR_EXP(exp8, f32x8, i32x8, select8)
 
 #if defined(__FMA__)
 #include <immintrin.h>

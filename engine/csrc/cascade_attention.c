@@ -1,0 +1,297 @@
+/* Cascade attention, the shared part, for the CPU in float32: decode queries of every sequence in a
+ * group attend *together* to the prefix blocks they all share, and the result is merged into each
+ * sequence's own-part output (cpu_paged's kernel run from the prefix end, with log-sum-exps).
+ *
+ * Why a separate pass pays off on a CPU: the shared K/V is small and stays in cache, so the cost
+ * is arithmetic, not memory traffic. Per-sequence attention (paged_attention.c) scores one query
+ * vector against one key row at a time: dot products that end in a horizontal sum. Here the lanes
+ * of one vector (16 with AVX-512, 8 with AVX2: LANES) hold LANES *query vectors* of the group
+ * (members x query heads of one KV head), so the work becomes two small matrix products with a
+ * register tile, like a GEMM microkernel:
+ *   scores:  S[j][lane] += q[lane][d] * k[j][d]   (per d: one load of q^T[d], LANES keys' k[j][d]
+ *            broadcast into LANES fused multiply-adds; LANES accumulators = a tile of keys)
+ *   values:  O[d][lane] += p[j][lane] * v[j][d]   (per key: one load of p[j], LANES dims' v[j][d]
+ *            broadcast into LANES fused multiply-adds; LANES accumulators = a tile of dims)
+ * No horizontal sums and one vector load per LANES multiply-adds. The softmax over a chunk of keys
+ * is lane-wise (a vertical max and sum), online across chunks (running max m, running sum l,
+ * accumulators rescaled when m grows). Each (group, KV head)'s prefix is first copied out of the
+ * paged cache once per call: K transposed into key tiles, V rows side by side (pack_prefix).
+ *
+ * Work items = (group, KV head, tile of LANES query vectors) run in parallel on torch's OpenMP
+ * runtime (same libgomp soname, see engine/native.py). Each item ends by merging its result into
+ * `out`: with the shared part's log-sum-exp s1 = m + log l and the own part's s2 (read from
+ * `lse`), out = (o1 e^{s1} + o2 e^{s2}) / (e^{s1} + e^{s2}) exactly. Every query vector belongs
+ * to one item, so items never write the same output.
+ *
+ * Built and loaded by engine/native.py (cc -O3 -march=native -fopenmp); the wrapper is
+ * strategies/attention/cpu_paged_cascade.py.
+ */
+#include <stdlib.h>
+
+#include "common.h"
+
+/* The vector width follows the ISA the kernel is compiled for (-march=native): 16 lanes and 32
+ * registers with AVX-512, 8 lanes and 16 registers with AVX2. A register tile is LANES keys
+ * (scores) or LANES dims (values) by one vector of LANES query vectors, plus the operand: it fits
+ * either register file. */
+#if defined(__AVX512F__)
+#define LANES 16
+typedef float vf __attribute__((vector_size(64)));
+typedef int32_t vi __attribute__((vector_size(64)));
+static inline vf vfma(vf a, vf b, vf c) { return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c); }
+static inline vf vbroadcast(float v) { return (vf)_mm512_set1_ps(v); }
+#else
+#define LANES 8
+typedef f32x8 vf;
+typedef i32x8 vi;
+static inline vf vfma(vf a, vf b, vf c) { return fma8(a, b, c); }
+static inline vf vbroadcast(float v) { return (vf){v, v, v, v, v, v, v, v}; }
+#endif
+#define KEY_TILE LANES   /* keys scored together in registers; also the side of the packing transpose */
+#define DIM_TILE LANES   /* output dims accumulated together in registers */
+#define KEY_CHUNK 256    /* keys per online-softmax update (a buffer of 256 score vectors) */
+#define MAX_HEAD_DIM 256
+
+static inline vf vselect(vi mask, vf if_true, vf if_false) {
+    return (vf)(((vi)if_true & mask) | ((vi)if_false & ~mask));
+}
+
+static inline vf vmax(vf a, vf b) { return vselect(a > b, a, b); }
+
+/* r[i][l] <- r[l][i] for a LANES x LANES block, in log2(LANES) stages: stage k swaps the
+ * off-diagonal k x k sub-blocks of every 2k x 2k block (rows i and i + k, lanes taken from both
+ * with one two-vector shuffle each). */
+#define LIST(...) __VA_ARGS__
+#define STAGE(k, low, high)                                \
+    for (int i = 0; i < LANES; ++i) {                      \
+        if (i & k) continue;                               \
+        const vf a = r[i], b = r[i + k];                   \
+        r[i] = __builtin_shufflevector(a, b, LIST low);    \
+        r[i + k] = __builtin_shufflevector(a, b, LIST high); \
+    }
+#if LANES == 16
+DEFINE_VECTOR_EXP(vexp, vf, vi, vselect) /* exp8's polynomial (common.h) on 16 lanes */
+
+static inline void transpose_tile(vf r[LANES]) {
+    STAGE(8, (0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23),
+             (8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31))
+    STAGE(4, (0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27),
+             (4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31))
+    STAGE(2, (0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29),
+             (2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31))
+    STAGE(1, (0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30),
+             (1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31))
+}
+#else
+#define vexp exp8
+
+static inline void transpose_tile(vf r[LANES]) {
+    STAGE(4, (0, 1, 2, 3, 8, 9, 10, 11), (4, 5, 6, 7, 12, 13, 14, 15))
+    STAGE(2, (0, 1, 8, 9, 4, 5, 12, 13), (2, 3, 10, 11, 6, 7, 14, 15))
+    STAGE(1, (0, 8, 2, 10, 4, 12, 6, 14), (1, 9, 3, 11, 5, 13, 7, 15))
+}
+#endif
+#undef STAGE
+#undef LIST
+
+/* scores[j] = q^T . k_j for the KEY_TILE keys of one packed tile (k_t[d * KEY_TILE + j] = k_j[d]). */
+static inline void score_tile(const vf *q_t, const float *k_t, int64_t head_dim, vf *scores) {
+    vf s[KEY_TILE];
+    for (int j = 0; j < KEY_TILE; ++j) s[j] = (vf){0};
+    for (int64_t d = 0; d < head_dim; ++d, k_t += KEY_TILE) {
+        const vf q = q_t[d];
+        for (int j = 0; j < KEY_TILE; ++j) s[j] = vfma(q, vbroadcast(k_t[j]), s[j]);
+    }
+    for (int j = 0; j < KEY_TILE; ++j) scores[j] = s[j];
+}
+
+/* acc[d0 + i] += sum_j weights[j] * values[j * head_dim + d0 + i] for i < width (inlined with
+ * width = DIM_TILE: the accumulators stay in registers; the remainder of an odd head_dim takes the
+ * generic path). */
+static inline __attribute__((always_inline)) void accumulate_values(
+    vf *acc, const vf *weights, const float *values, int64_t num_keys, int64_t head_dim, int64_t d0,
+    int width) {
+    vf a[DIM_TILE];
+    for (int i = 0; i < width; ++i) a[i] = acc[d0 + i];
+    for (int64_t j = 0; j < num_keys; ++j) {
+        const vf p = weights[j];
+        const float *value = values + j * head_dim + d0;
+        for (int i = 0; i < width; ++i) a[i] = vfma(p, vbroadcast(value[i]), a[i]);
+    }
+    for (int i = 0; i < width; ++i) acc[d0 + i] = a[i];
+}
+
+/* One key tile of a group's prefix (keys first .. first + KEY_TILE - 1), copied out of the paged
+ * cache for all the group's work items, for every KV head at once (a slot holds all KV heads side
+ * by side, so each cache line of the prefix is read once, in order). Per KV head, `packed` holds
+ * its K as key tiles, then its V rows: `half` floats each. K tile t holds k_j[d] at
+ * k_t[(t * head_dim + d) * KEY_TILE + j], zeros past the last key, so the score loop takes its
+ * KEY_TILE broadcasts per d from one cache line; full tiles are transposed in registers, a partial
+ * tile and a head_dim tail element by element. V rows lie side by side ([keys][head_dim]), so the
+ * value loop walks one pointer. */
+static void pack_tile(const float *k_cache, const float *v_cache, const int32_t *blocks, int64_t num_keys,
+                      int64_t first, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float *packed,
+                      int64_t half) {
+    const int64_t slot_stride = num_kv_heads * head_dim;
+    const int64_t tile_len = num_keys - first < KEY_TILE ? num_keys - first : KEY_TILE;
+    int64_t rows[KEY_TILE]; /* offset of each key's slot in the caches */
+    for (int64_t j = 0; j < tile_len; ++j) {
+        const int64_t position = first + j;
+        rows[j] = ((int64_t)blocks[position / block_size] * block_size + position % block_size) * slot_stride;
+    }
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+        float *k_t = packed + 2 * h * half + first * head_dim, *values = packed + (2 * h + 1) * half + first * head_dim;
+        for (int64_t j = 0; j < tile_len; ++j)
+            memcpy(values + j * head_dim, v_cache + rows[j] + h * head_dim, sizeof(float) * head_dim);
+        int64_t d0 = 0;
+        if (tile_len == KEY_TILE) {
+            for (; d0 + KEY_TILE <= head_dim; d0 += KEY_TILE) {
+                vf r[KEY_TILE];
+                for (int j = 0; j < KEY_TILE; ++j) memcpy(&r[j], k_cache + rows[j] + h * head_dim + d0, sizeof r[j]);
+                transpose_tile(r);
+                for (int i = 0; i < KEY_TILE; ++i) memcpy(k_t + (d0 + i) * KEY_TILE, &r[i], sizeof r[i]);
+            }
+        }
+        for (int64_t d = d0; d < head_dim; ++d)
+            for (int64_t j = 0; j < KEY_TILE; ++j)
+                k_t[d * KEY_TILE + j] = j < tile_len ? k_cache[rows[j] + h * head_dim + d] : 0.0f;
+    }
+}
+
+/* One work item: query vectors first_vector .. first_vector + LANES - 1 of the group's KV head
+ * kv_head (vector i = member i / group, query head kv_head * group + i % group) over the packed
+ * prefix, then merged into their own parts in `out`. */
+static void prefix_item(
+    const float *query, int64_t query_token_stride, const float *k_t, const float *values, const int32_t *rows,
+    int64_t num_rows, int64_t num_keys, int64_t kv_head, int64_t first_vector, int64_t num_heads,
+    int64_t num_kv_heads, int64_t head_dim, float scale, float *out, int64_t out_token_stride, const float *lse) {
+    const int64_t group = num_heads / num_kv_heads;
+    const int64_t count = num_rows * group - first_vector < LANES ? num_rows * group - first_vector : LANES;
+    int64_t token[LANES], head[LANES];
+    vf q_t[MAX_HEAD_DIM], acc[MAX_HEAD_DIM];
+    vf scores[KEY_CHUNK];
+
+    for (int64_t d = 0; d < head_dim; ++d) q_t[d] = acc[d] = (vf){0};
+    for (int64_t lane = 0; lane < count; ++lane) { /* lanes past count stay 0: scores 0, never written */
+        const int64_t vector = first_vector + lane;
+        token[lane] = rows[vector / group];
+        head[lane] = kv_head * group + vector % group;
+        const float *q = query + token[lane] * query_token_stride + head[lane] * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) q_t[d][lane] = q[d] * scale;
+    }
+    vf running_max = vbroadcast(-INFINITY), running_sum = (vf){0};
+    for (int64_t chunk = 0; chunk < num_keys; chunk += KEY_CHUNK) {
+        const int64_t chunk_len = num_keys - chunk < KEY_CHUNK ? num_keys - chunk : KEY_CHUNK;
+        vf chunk_max = vbroadcast(-INFINITY);
+        for (int64_t j0 = 0; j0 < chunk_len; j0 += KEY_TILE) {
+            vf tile[KEY_TILE];
+            score_tile(q_t, k_t + (chunk + j0) * head_dim, head_dim, tile);
+            const int64_t tile_len = chunk_len - j0 < KEY_TILE ? chunk_len - j0 : KEY_TILE;
+            for (int64_t j = 0; j < tile_len; ++j) {
+                scores[j0 + j] = tile[j];
+                chunk_max = vmax(chunk_max, tile[j]);
+            }
+        }
+        const vf new_max = vmax(running_max, chunk_max);
+        const vf correction = vexp(running_max - new_max); /* ~0 on the first chunk (clamped), times 0 */
+        running_sum *= correction;
+        for (int64_t d = 0; d < head_dim; ++d) acc[d] *= correction;
+        for (int64_t j = 0; j < chunk_len; ++j) {
+            scores[j] = vexp(scores[j] - new_max);
+            running_sum += scores[j];
+        }
+        running_max = new_max;
+        int64_t d0 = 0;
+        for (; d0 + DIM_TILE <= head_dim; d0 += DIM_TILE)
+            accumulate_values(acc, scores, values + chunk * head_dim, chunk_len, head_dim, d0, DIM_TILE);
+        if (d0 < head_dim)
+            accumulate_values(acc, scores, values + chunk * head_dim, chunk_len, head_dim, d0, (int)(head_dim - d0));
+    }
+    for (int64_t lane = 0; lane < count; ++lane) {
+        const float shared_lse = running_max[lane] + logf(running_sum[lane]);
+        const float own_lse = lse[token[lane] * num_heads + head[lane]];
+        const float top = shared_lse > own_lse ? shared_lse : own_lse;
+        const float shared_weight = expf(shared_lse - top), own_weight = expf(own_lse - top);
+        const float total = shared_weight + own_weight;
+        const float shared_scale = shared_weight / (total * running_sum[lane]), own_scale = own_weight / total;
+        float *dst = out + token[lane] * out_token_stride + head[lane] * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) dst[d] = acc[d][lane] * shared_scale + dst[d] * own_scale;
+    }
+}
+
+/* Floats of one group's packed prefix: K and V of every KV head, keys padded to whole tiles. */
+static int64_t packed_floats(int64_t num_keys, int64_t num_kv_heads, int64_t head_dim) {
+    return num_kv_heads * 2 * ((num_keys + KEY_TILE - 1) / KEY_TILE * KEY_TILE) * head_dim;
+}
+
+/* The workspace cascade_prefix_attention_f32 needs for these groups, in floats. */
+int64_t cascade_workspace_floats(int64_t num_groups, const int64_t *block_starts, int64_t num_kv_heads,
+                                 int64_t head_dim, int64_t block_size) {
+    int64_t total = 0;
+    for (int64_t g = 0; g < num_groups; ++g)
+        total += packed_floats((block_starts[g + 1] - block_starts[g]) * block_size, num_kv_heads, head_dim);
+    return total;
+}
+
+/* Group g's members are the query tokens rows[row_starts[g] .. row_starts[g + 1]) (one decode token
+ * each); they share the blocks blocks[block_starts[g] .. block_starts[g + 1]) as their first
+ * blocks. `out` [T, num_heads, head_dim] (token stride out_token_stride) holds each member's own-part
+ * output and `lse` [T, num_heads] its log-sum-exp; both parts are merged into `out`. `workspace`
+ * (cascade_workspace_floats floats, owned by the caller so that it is not allocated and faulted
+ * in again in every layer) receives the packed prefixes. Two phases in one parallel region: pack
+ * the groups' prefixes tile by tile, then the items. Returns 0 on success, 1 if head_dim exceeds
+ * MAX_HEAD_DIM or the heads do not group, 2 if the work list could not be allocated, 3 if the
+ * workspace is too small. */
+int cascade_prefix_attention_f32(
+    const float *query, int64_t query_token_stride, const float *k_cache, const float *v_cache,
+    int64_t num_groups, const int64_t *row_starts, const int32_t *rows, const int64_t *block_starts,
+    const int32_t *blocks, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+    float scale, float *out, int64_t out_token_stride, const float *lse, float *workspace,
+    int64_t workspace_floats) {
+    if (head_dim > MAX_HEAD_DIM || num_heads % num_kv_heads != 0) return 1;
+    if (workspace_floats < cascade_workspace_floats(num_groups, block_starts, num_kv_heads, head_dim, block_size))
+        return 3;
+    const int64_t group = num_heads / num_kv_heads;
+    /* item_starts[g]: first work item of group g (num_kv_heads x tiles of its query vectors);
+     * tile_starts[g]: first key tile of group g (the packing units);
+     * packed_starts[g]: its packed prefix in the workspace, per KV head its K tiles, then its V */
+    int64_t *item_starts = malloc(sizeof(int64_t) * 3 * (num_groups + 1));
+    if (item_starts == NULL) return 2;
+    int64_t *tile_starts = item_starts + num_groups + 1, *packed_starts = tile_starts + num_groups + 1;
+    item_starts[0] = tile_starts[0] = packed_starts[0] = 0;
+    for (int64_t g = 0; g < num_groups; ++g) {
+        const int64_t tiles = ((row_starts[g + 1] - row_starts[g]) * group + LANES - 1) / LANES;
+        const int64_t keys = (block_starts[g + 1] - block_starts[g]) * block_size;
+        item_starts[g + 1] = item_starts[g] + num_kv_heads * tiles;
+        tile_starts[g + 1] = tile_starts[g] + (keys + KEY_TILE - 1) / KEY_TILE;
+        packed_starts[g + 1] = packed_starts[g] + packed_floats(keys, num_kv_heads, head_dim);
+    }
+    const int64_t num_items = item_starts[num_groups];
+#pragma omp parallel
+    {
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t unit = 0; unit < tile_starts[num_groups]; ++unit) {
+            int64_t g = 0;
+            while (tile_starts[g + 1] <= unit) ++g;
+            const int64_t half = (packed_starts[g + 1] - packed_starts[g]) / num_kv_heads / 2;
+            pack_tile(k_cache, v_cache, blocks + block_starts[g], (block_starts[g + 1] - block_starts[g]) * block_size,
+                      (unit - tile_starts[g]) * KEY_TILE, num_kv_heads, head_dim, block_size,
+                      workspace + packed_starts[g], half);
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < num_items; ++item) {
+            int64_t g = 0;
+            while (item_starts[g + 1] <= item) ++g; /* few groups per step: a linear scan */
+            const int64_t num_rows = row_starts[g + 1] - row_starts[g];
+            const int64_t tiles = (num_rows * group + LANES - 1) / LANES;
+            const int64_t h = (item - item_starts[g]) / tiles, tile = (item - item_starts[g]) % tiles;
+            const int64_t half = (packed_starts[g + 1] - packed_starts[g]) / num_kv_heads / 2;
+            const float *k_t = workspace + packed_starts[g] + 2 * h * half;
+            prefix_item(query, query_token_stride, k_t, k_t + half, rows + row_starts[g], num_rows,
+                        (block_starts[g + 1] - block_starts[g]) * block_size, h, tile * LANES, num_heads,
+                        num_kv_heads, head_dim, scale, out, out_token_stride, lse);
+        }
+    }
+    free(item_starts);
+    return 0;
+}
