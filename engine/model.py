@@ -67,7 +67,7 @@ class Linear(nn.Linear):
     min_rows: int = 1
     skinny: torch.Tensor | None = None
     skinny_gemm: SkinnyGemm | None = None
-    skinny_max_rows: int = 24
+    skinny_max_rows: int = 128
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2:
