@@ -47,6 +47,11 @@ static inline vecf vload(const float *source) {
 
 static inline vecf vbroadcast(float value) { return (vecf){0} + value; }
 
+/* Most rows for which this build measured faster than oneDNN's prepacked linear with weights
+ * streamed from memory (docs/performance.md, section 10): the 8 x 48 AVX-512 tile up to 128 rows
+ * (oneDNN wins again only for prompt-sized inputs), the 4 x 24 AVX2 tile up to 32 (equal there). */
+int64_t gemm_max_rows(void) { return MR == 8 ? 128 : 32; }
+
 /* Number of floats of the packed weight for N x K: ceil(N / NR) panels of K x NR. */
 int64_t packed_weight_numel(int64_t n, int64_t k) { return (n + NR - 1) / NR * k * NR; }
 
