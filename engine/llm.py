@@ -81,8 +81,9 @@ class LLM:
         prepack: performance option (docs/performance.md). ``"auto"`` (default) gives every
             projection and the LM head a oneDNN-prepacked weight copy when running float32 on
             a CPU with oneDNN (1.3-2.3x faster matmuls here), plus a copy in the panels of
-            servelab's skinny GEMM for inputs of <= 24 rows when its C kernel builds (another
-            1.2-1.6x there); each copy costs the linear weights' size in memory. ``True``
+            servelab's skinny GEMM for decode batches (<= 128 rows with AVX-512, <= 32 with AVX2)
+            when its C kernel builds (another 1.1-1.7x there); each copy costs the linear weights'
+            size in memory. ``True``
             requires oneDNN, ``False`` keeps plain ``F.linear``.
         fused_ops: performance option. ``"auto"`` (default) runs add + RMSNorm, RoPE and
             SiLU-and-multiply as fused C kernels (:mod:`engine.fused_ops`, compiled on first use)

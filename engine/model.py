@@ -56,18 +56,20 @@ class Linear(nn.Linear):
     """``nn.Linear`` that can also run through prepacked copies of its weight (CPU float32).
 
     Same parameters and state-dict names as ``nn.Linear``. After :meth:`CausalLM.prepack`:
-    inputs of at most ``skinny_max_rows`` rows go through servelab's skinny GEMM
-    (:mod:`engine.skinny_gemm`, when its C kernel could be built), other inputs of at least
+    inputs of at most ``skinny_max_rows`` rows (the kernel's ``SkinnyGemm.max_rows``) go through
+    servelab's skinny GEMM (:mod:`engine.skinny_gemm`, when its C kernel could be built), other inputs of at least
     ``min_rows`` rows (default 1) through the oneDNN-prepacked weight: on this project's CPUs
     (AMD EPYC, MKL sgemm) oneDNN measured 1.3-2.3x faster than ``F.linear`` for 8-32 rows, and the
-    skinny GEMM 1.2-1.6x faster than oneDNN up to 24 rows (docs/performance.md, sections 2, 8, 9).
+    skinny GEMM 1.1-1.7x faster than oneDNN up to 32 rows with AVX2 and up to 128 rows with AVX-512
+    (docs/performance.md, sections 2, 8, 9, 10): every decode batch of the schedulers' default
+    ``max_num_seqs`` (32) takes it; prompts of more rows take oneDNN.
     """
 
     packed: torch.Tensor | None = None
     min_rows: int = 1
     skinny: torch.Tensor | None = None
     skinny_gemm: SkinnyGemm | None = None
-    skinny_max_rows: int = 24
+    skinny_max_rows: int = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2:
@@ -313,6 +315,7 @@ class CausalLM(nn.Module):
                 module.min_rows = min_rows
                 if skinny_gemm is not None:
                     module.skinny_gemm, module.skinny = skinny_gemm, skinny_gemm.pack(module.weight)
+                    module.skinny_max_rows = skinny_gemm.max_rows
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         self.logits_packed = prepack_weight(weight, batch_hint)
         self.logits_min_rows = min_rows
@@ -356,7 +359,7 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits ``[N, vocab_size]`` for selected rows of :meth:`forward`'s output."""
-        if self.logits_skinny is not None and hidden.shape[0] <= Linear.skinny_max_rows:
+        if self.logits_skinny is not None and hidden.shape[0] <= self.logits_skinny_gemm.max_rows:
             return self.logits_skinny_gemm.linear(hidden, self.logits_skinny, None, self.config.vocab_size)
         if self.logits_packed is not None and hidden.shape[0] >= self.logits_min_rows:
             return packed_linear(hidden, self.logits_packed, None).float()

@@ -1,12 +1,14 @@
-"""servelab's GEMM for few rows (``engine/csrc/gemm.c``): decode steps of small batches.
+"""servelab's GEMM for few rows (``engine/csrc/gemm.c``): decode steps.
 
 A decode step multiplies every weight matrix by only ``B`` rows. General GEMMs (MKL, oneDNN)
-block for large matrices; at ``B <= 24`` on this project's 2-core AVX2 machines this kernel
-(weights repacked once into 24-column panels, a 4 x 24 register tile, K blocks that keep a panel
-slice in L1) measured 1.2-1.6x faster than oneDNN's prepacked linear over the 30 layers' shapes
-with weights streamed from memory, equal at 32 rows and slower above (docs/performance.md,
-section 9). So :class:`~engine.model.Linear` uses it up to ``skinny_max_rows`` rows and oneDNN
-above. Float32 CPU only; compiled on first use like the other C kernels (``engine/native.py``).
+block for large matrices; this kernel repacks each weight once into panels of 3 vectors of
+output columns and runs a register tile of 8 rows x 48 columns with AVX-512 (4 x 24 with AVX2),
+prefetching the next panel while the row tiles compute. With AVX2 it measured 1.2-1.6x faster
+than oneDNN's prepacked linear up to 24 rows; with AVX-512, 1.1-1.5x faster up to 128 rows over
+the 30 layers' shapes with weights streamed from memory (docs/performance.md, sections 9 and 10).
+So :class:`~engine.model.Linear` uses it up to :attr:`SkinnyGemm.max_rows` rows (the crossover
+measured for the build's tile: 128 with AVX-512, 32 with AVX2) and oneDNN above.
+Float32 CPU only; compiled on first use like the other C kernels (``engine/native.py``).
 """
 from __future__ import annotations
 
@@ -20,15 +22,17 @@ _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 
 class SkinnyGemm:
-    """``pack`` a weight once, then ``linear(x, packed, bias, out_features)`` = ``x @ W.T + b``."""
+    """``pack`` a weight once, then ``linear(x, packed, bias, out_features)`` = ``x @ W.T + b``;
+    ``max_rows``: the most rows for which this build beats oneDNN (larger inputs should not use it)."""
 
     def __init__(self) -> None:
+        self.max_rows: int = native.function("gemm", "gemm_max_rows", [], _I64)()
         self._numel = native.function("gemm", "packed_weight_numel", [_I64, _I64], _I64)
         self._pack = native.function("gemm", "pack_weight_f32", [_P, _I64, _I64, _P])
         self._gemm = native.function("gemm", "gemm_packed_f32", [_P, _I64, _I64, _I64, _P, _P, _I64, _P])
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
-        """``weight [out, in]`` (float32, CPU) as 24-column panels, k-major (zero-padded)."""
+        """``weight [out, in]`` (float32, CPU) as panels of 48 (AVX-512) or 24 columns, k-major (zero-padded)."""
         native.require_cpu_float32(weight, "the skinny GEMM", "the weight")
         weight = weight.detach().contiguous()
         out_features, in_features = weight.shape

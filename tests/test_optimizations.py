@@ -15,7 +15,9 @@ No timing asserts: speed is measured by ``experiments/roofline.py`` and recorded
 """
 from __future__ import annotations
 
+import ctypes
 import random
+import subprocess
 
 import pytest
 import torch
@@ -113,32 +115,63 @@ def test_packed_linear_serves_one_and_many_rows_and_min_rows_falls_back(tiny_lla
 
 
 @needs_onednn
-def test_skinny_gemm_serves_few_rows_and_onednn_the_rest(odd_ckpt):
-    """Up to ``skinny_max_rows`` rows the skinny GEMM runs (odd shapes: panels padded past N,
-    a remainder of rows below the 4-row tile, bias, K not a multiple of the K block), above it
-    oneDNN; both within float32 noise of ``F.linear``; the LM head too."""
+def test_skinny_gemm_serves_decode_batches_and_onednn_the_rest(odd_ckpt):
+    """Up to ``skinny_max_rows`` rows (decode batches up to the schedulers' default
+    ``max_num_seqs`` and beyond) the skinny GEMM runs, above it oneDNN; both within float32 noise
+    of ``F.linear`` (biased qkv of an odd model); the LM head too."""
     torch.manual_seed(0)
     llm = build(odd_ckpt, prepack=True)
     model = llm.model
     layer = model.layers[0].self_attn.qkv_proj  # biased
-    assert layer.skinny is not None and layer.bias is not None
+    assert layer.skinny is not None and layer.bias is not None and layer.skinny_max_rows >= 32
     calls = []
     skinny_linear = layer.skinny_gemm.linear
     layer.skinny_gemm.linear = lambda *args: calls.append(args[0].shape[0]) or skinny_linear(*args)
+    limit = layer.skinny_max_rows
     with torch.inference_mode():
-        for rows in (1, 3, 4, 7, 24, 25, 40):
+        for rows in (1, 3, 32, limit, limit + 1, 2 * limit + 5):
             x = torch.randn(rows, layer.in_features)
             torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
-        # N = 50: the last panel is padded; K = 600: three K blocks of up to 256
-        gemm, weight, bias = SkinnyGemm(), torch.randn(50, 600) * 0.05, torch.randn(50)
-        for rows in (1, 6, 9):
-            wide = torch.randn(rows, 600)
-            expected = F.linear(wide, weight, bias)
-            torch.testing.assert_close(gemm.linear(wide, gemm.pack(weight), bias, 50), expected, rtol=1e-5, atol=1e-5)
         hidden = torch.randn(5, model.config.hidden_size)
         head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
         torch.testing.assert_close(model.compute_logits(hidden), F.linear(hidden, head), rtol=1e-5, atol=1e-5)
-    assert calls == [1, 3, 4, 7, 24, 5]  # 25 and 40 rows went to oneDNN; 5 = the LM head (shared instance)
+    assert calls == [1, 3, 32, limit, 5]  # limit + 1 and more rows went to oneDNN; 5 = the LM head (shared instance)
+
+
+def skinny_gemm_builds(tmp_path) -> dict[str, SkinnyGemm]:
+    """The skinny GEMM as the engine builds it (``-march=native``) and, on x86, the same source
+    built without AVX-512: the AVX2 register tile that the project's AVX2 machines run, which an
+    AVX-512 machine would otherwise never test (``engine/csrc/gemm.c`` picks its tile at compile time)."""
+    builds = {"native": SkinnyGemm()}
+    library = tmp_path / "gemm_no_avx512.so"
+    command = [native._compiler(), *native.CFLAGS, "-mno-avx512f", f"-I{native.SOURCE_DIR}",
+               str(native.SOURCE_DIR / "gemm.c"), "-o", str(library), "-lm"]
+    if subprocess.run(command, capture_output=True).returncode == 0:  # not x86: no such flag
+        no_avx512, kernels = SkinnyGemm(), ctypes.CDLL(str(library))
+        for attribute, name in (("_numel", "packed_weight_numel"), ("_pack", "pack_weight_f32"), ("_gemm", "gemm_packed_f32")):
+            function = getattr(kernels, name)
+            function.argtypes, function.restype = getattr(no_avx512, attribute).argtypes, getattr(no_avx512, attribute).restype
+            setattr(no_avx512, attribute, function)
+        builds["no_avx512"] = no_avx512
+    return builds
+
+
+def test_skinny_gemm_every_row_tile_and_panel_edge(tmp_path):
+    """Every row count through the register tiles and their remainders (8 / 4 / 2 / 1 rows with
+    AVX-512, 4 / 2 / 1 without), N not a multiple of the panel width (the last panel is
+    zero-padded and only its first columns are stored), K odd, bias or none, a strided input."""
+    torch.manual_seed(0)
+    for name, gemm in skinny_gemm_builds(tmp_path).items():
+        for out_features, in_features, with_bias in ((50, 601, True), (96, 64, False)):
+            weight = torch.randn(out_features, in_features) * 0.05
+            bias = torch.randn(out_features) if with_bias else None
+            panels = gemm.pack(weight)
+            for rows in [*range(1, 18), 23, 31, 32, 33, 128]:
+                x = torch.randn(rows, in_features + 3)[:, 1:-2]  # rows one stride apart, not contiguous
+                torch.testing.assert_close(
+                    gemm.linear(x, panels, bias, out_features), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5,
+                    msg=lambda text: f"{name} build, {rows} rows, N={out_features}: {text}",
+                )
 
 
 def test_prepack_rejected_where_unsupported(tiny_llama_ckpt):

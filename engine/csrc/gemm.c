@@ -1,22 +1,56 @@
 /* Skinny GEMM for decode-sized batches, float32: out[M, N] = x[M, K] @ W^T (+ bias), W given as
  * nn.Linear's [N, K].
  *
- * The weight is repacked once at load time into panels of NR = 24 output columns: panel p holds
- * W[p*24 : p*24+24, :] transposed, k-major ([K][24], zero-padded past N), so the inner loop reads
- * it as one contiguous stream. A 4 x 24 register tile (12 accumulators of 8 floats) is the
- * microkernel: per k it loads 3 vectors of the panel, broadcasts 4 values of x and issues 12
- * fused multiply-adds, i.e. it reads each weight once per 4 rows of x from L1/L2. Threads split
- * the panels; every row tile of x reuses the panel while it is hot. This is the BLIS/oneDNN
- * recipe specialised to M <= a few dozen rows, where a general GEMM's blocking for large M wastes
- * the machine (docs/performance.md, section 9).
+ * The weight is repacked once at load time into panels of NR = 3 vectors of output columns:
+ * panel p holds W[p*NR : p*NR+NR, :] transposed, k-major ([K][NR], zero-padded past N), so the
+ * inner loop reads it as one contiguous stream. The microkernel is an MR x NR register tile:
+ * per k it loads the panel's 3 vectors, broadcasts MR values of x and issues 3 * MR fused
+ * multiply-adds, i.e. it reads each weight once per MR rows of x. Threads split the panels
+ * (contiguous ranges, so each core streams its own part of the weights); every row tile of x
+ * reuses the panel while it is in L1/L2. This is the BLIS/oneDNN recipe specialised to M <= a
+ * few dozen rows, where a general GEMM's blocking for large M wastes the machine
+ * (docs/performance.md, sections 9 and 10).
+ *
+ * Vector width follows the compiler's target (-march=native): with AVX-512 a vector is 16
+ * floats and the tile 8 x 48 (24 accumulators of the 32 vector registers); with AVX2 8 floats
+ * and 4 x 24 (12 of 16 registers); elsewhere GCC lowers the vector types to what exists.
+ *
+ * Weights come from memory in every decode step (the model is far larger than the caches), so
+ * while the row tiles of panel p compute, they prefetch panel p + 1: each of the T full row
+ * tiles fetches 1 / T of it, spread over its k loop, so memory traffic overlaps the arithmetic
+ * instead of stalling the first tile of every panel. One row (batch-1 decode) is a stream that
+ * the hardware prefetcher already follows.
  */
 #include <stdlib.h>
 
 #include "common.h"
 
-#define NR 24 /* output columns per panel: 3 vectors of 8 */
-#define MR 4  /* rows of x per register tile */
-#define KC 256 /* k per block: a 256 x 24 slice of a panel is 24 KB, inside a 32 KB L1 */
+#if defined(__AVX512F__)
+typedef float vecf __attribute__((vector_size(64)));
+#define VL 16 /* floats per vector */
+#define MR 8  /* rows of x per register tile */
+static inline vecf vfma(vecf a, vecf b, vecf c) { return _mm512_fmadd_ps(a, b, c); }
+#else
+typedef f32x8 vecf;
+#define VL 8
+#define MR 4
+static inline vecf vfma(vecf a, vecf b, vecf c) { return fma8(a, b, c); }
+#endif
+#define NR (3 * VL) /* output columns per panel */
+#define CACHE_LINE 64
+
+static inline vecf vload(const float *source) {
+    vecf value;
+    memcpy(&value, source, sizeof value);
+    return value;
+}
+
+static inline vecf vbroadcast(float value) { return (vecf){0} + value; }
+
+/* Most rows for which this build measured faster than oneDNN's prepacked linear with weights
+ * streamed from memory (docs/performance.md, section 10): the 8 x 48 AVX-512 tile up to 128 rows
+ * (oneDNN wins again only for prompt-sized inputs), the 4 x 24 AVX2 tile up to 32 (equal there). */
+int64_t gemm_max_rows(void) { return MR == 8 ? 128 : 32; }
 
 /* Number of floats of the packed weight for N x K: ceil(N / NR) panels of K x NR. */
 int64_t packed_weight_numel(int64_t n, int64_t k) { return (n + NR - 1) / NR * k * NR; }
@@ -34,85 +68,95 @@ void pack_weight_f32(const float *weight, int64_t n, int64_t k, float *packed) {
     }
 }
 
-static inline f32x8 broadcast8(float value) {
-    return (f32x8){value, value, value, value, value, value, value, value};
-}
-
-/* Adds a row's accumulators to dst (or sets dst when `first`); bias is given on the last K block. */
-static inline void store_row(const f32x8 *acc, int first, const float *bias, float *dst, int64_t cols) {
+/* Stores one row's 3 accumulators (+ bias) into dst's first `cols` columns. */
+static inline void store_row(const vecf *acc, const float *bias, float *dst, int64_t cols) {
     float values[NR];
-    store8(values, acc[0]);
-    store8(values + 8, acc[1]);
-    store8(values + 16, acc[2]);
-    if (!first)
-        for (int64_t c = 0; c < cols; ++c) values[c] += dst[c];
+    memcpy(values, acc, sizeof values);
     if (bias != NULL)
         for (int64_t c = 0; c < cols; ++c) values[c] += bias[c];
     memcpy(dst, values, sizeof(float) * cols);
 }
 
-/* MR x NR tile: the 12 accumulators are named variables so that they stay in registers. */
-static void tile4(const float *x, int64_t x_stride, const float *panel, int64_t k, int first,
-                  const float *bias, float *out, int64_t out_stride, int64_t cols) {
-    const f32x8 zero = {0};
-    f32x8 c00 = zero, c01 = zero, c02 = zero, c10 = zero, c11 = zero, c12 = zero;
-    f32x8 c20 = zero, c21 = zero, c22 = zero, c30 = zero, c31 = zero, c32 = zero;
-    const float *x0 = x, *x1 = x + x_stride, *x2 = x + 2 * x_stride, *x3 = x + 3 * x_stride;
-    for (int64_t kk = 0; kk < k; ++kk) {
-        const float *b = panel + kk * NR;
-        const f32x8 b0 = load8(b), b1 = load8(b + 8), b2 = load8(b + 16);
-        f32x8 a = broadcast8(x0[kk]);
-        c00 = fma8(a, b0, c00); c01 = fma8(a, b1, c01); c02 = fma8(a, b2, c02);
-        a = broadcast8(x1[kk]);
-        c10 = fma8(a, b0, c10); c11 = fma8(a, b1, c11); c12 = fma8(a, b2, c12);
-        a = broadcast8(x2[kk]);
-        c20 = fma8(a, b0, c20); c21 = fma8(a, b1, c21); c22 = fma8(a, b2, c22);
-        a = broadcast8(x3[kk]);
-        c30 = fma8(a, b0, c30); c31 = fma8(a, b1, c31); c32 = fma8(a, b2, c32);
+/* ROWS x NR tile over the whole K; `prefetch` (or NULL) advances by `prefetch_step` bytes per k,
+ * each step fetched whole (one prefetch per cache line). The accumulators are a fully unrolled
+ * array, which GCC keeps in registers. */
+#define DEFINE_TILE(NAME, ROWS)                                                                             \
+    static void NAME(const float *x, int64_t x_stride, const float *panel, int64_t k,            \
+                           const float *bias, float *out, int64_t out_stride, int64_t cols,            \
+                           const char *prefetch, int64_t prefetch_step) {                              \
+        vecf c[ROWS][3];                                                                                \
+        _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r) c[r][0] = c[r][1] = c[r][2] = (vecf){0}; \
+        for (int64_t kk = 0; kk < k; ++kk) {                                                            \
+            if (prefetch != NULL) {                                                                     \
+                for (int64_t offset = 0; offset < prefetch_step; offset += CACHE_LINE)                  \
+                    __builtin_prefetch(prefetch + offset, 0, 3);                                        \
+                prefetch += prefetch_step;                                                              \
+            }                                                                                           \
+            const float *b = panel + kk * NR;                                                           \
+            const vecf b0 = vload(b), b1 = vload(b + VL), b2 = vload(b + 2 * VL);                       \
+            _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r) {                                    \
+                const vecf a = vbroadcast(x[r * x_stride + kk]);                                        \
+                c[r][0] = vfma(a, b0, c[r][0]);                                                         \
+                c[r][1] = vfma(a, b1, c[r][1]);                                                         \
+                c[r][2] = vfma(a, b2, c[r][2]);                                                         \
+            }                                                                                           \
+        }                                                                                               \
+        _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r)                                          \
+            store_row(c[r], bias, out + r * out_stride, cols);                                          \
     }
-    const f32x8 rows[4][3] = {{c00, c01, c02}, {c10, c11, c12}, {c20, c21, c22}, {c30, c31, c32}};
-    for (int64_t r = 0; r < MR; ++r) store_row(rows[r], first, bias, out + r * out_stride, cols);
-}
+DEFINE_TILE(tile_mr, MR)
+#if MR == 8
+DEFINE_TILE(tile4, 4)
+#endif
+DEFINE_TILE(tile2, 2)
 
-/* One row x NR (the remainder rows of x, and batch-1 decode). */
-static void tile1(const float *x, const float *panel, int64_t k, int first, const float *bias, float *out,
-                  int64_t cols) {
-    const f32x8 zero = {0};
-    f32x8 c0 = zero, c1 = zero, c2 = zero, d0 = zero, d1 = zero, d2 = zero;
+/* One row x NR (the last odd row of x, and batch-1 decode): two k per trip, so each vector has
+ * two independent FMA chains. */
+static void tile1(const float *x, const float *panel, int64_t k, const float *bias, float *out, int64_t cols) {
+    vecf c0 = {0}, c1 = {0}, c2 = {0}, d0 = {0}, d1 = {0}, d2 = {0};
     int64_t kk = 0;
-    for (; kk + 2 <= k; kk += 2) { /* two k per trip: two independent chains per vector */
+    for (; kk + 2 <= k; kk += 2) {
         const float *b = panel + kk * NR;
-        const f32x8 a = broadcast8(x[kk]), e = broadcast8(x[kk + 1]);
-        c0 = fma8(a, load8(b), c0); c1 = fma8(a, load8(b + 8), c1); c2 = fma8(a, load8(b + 16), c2);
-        d0 = fma8(e, load8(b + NR), d0); d1 = fma8(e, load8(b + NR + 8), d1); d2 = fma8(e, load8(b + NR + 16), d2);
+        const vecf a = vbroadcast(x[kk]), e = vbroadcast(x[kk + 1]);
+        c0 = vfma(a, vload(b), c0), c1 = vfma(a, vload(b + VL), c1), c2 = vfma(a, vload(b + 2 * VL), c2);
+        d0 = vfma(e, vload(b + NR), d0), d1 = vfma(e, vload(b + NR + VL), d1), d2 = vfma(e, vload(b + NR + 2 * VL), d2);
     }
     for (; kk < k; ++kk) {
         const float *b = panel + kk * NR;
-        const f32x8 a = broadcast8(x[kk]);
-        c0 = fma8(a, load8(b), c0); c1 = fma8(a, load8(b + 8), c1); c2 = fma8(a, load8(b + 16), c2);
+        const vecf a = vbroadcast(x[kk]);
+        c0 = vfma(a, vload(b), c0), c1 = vfma(a, vload(b + VL), c1), c2 = vfma(a, vload(b + 2 * VL), c2);
     }
-    const f32x8 row[3] = {c0 + d0, c1 + d1, c2 + d2};
-    store_row(row, first, bias, out, cols);
+    const vecf row[3] = {c0 + d0, c1 + d1, c2 + d2};
+    store_row(row, bias, out, cols);
 }
 
 void gemm_packed_f32(const float *x, int64_t m, int64_t k, int64_t x_stride, const float *packed,
                      const float *bias, int64_t n, float *out) {
     const int64_t panels = (n + NR - 1) / NR;
+    const int64_t full_tiles = m / MR;
+    /* Bytes of the next panel each full tile prefetches per k: the panel is k * NR floats. */
+    const int64_t prefetch_step = full_tiles > 0 ? (int64_t)(NR * sizeof(float)) / full_tiles : 0;
 #pragma omp parallel for schedule(static)
     for (int64_t p = 0; p < panels; ++p) {
         const float *panel = packed + p * k * NR;
         const int64_t col = p * NR, cols = n - col < NR ? n - col : NR;
-        /* K blocks of KC: the panel's slice (KC x 24 floats) stays in L1 while every row tile uses it. */
-        for (int64_t k0 = 0; k0 < k; k0 += KC) {
-            const int64_t kc = k - k0 < KC ? k - k0 : KC;
-            const int first = k0 == 0;
-            const float *slice = panel + k0 * NR;
-            const float *panel_bias = bias != NULL && k0 + kc == k ? bias + col : NULL;
-            int64_t row = 0;
-            for (; row + MR <= m; row += MR)
-                tile4(x + row * x_stride + k0, x_stride, slice, kc, first, panel_bias, out + row * n + col, n, cols);
-            for (; row < m; ++row)
-                tile1(x + row * x_stride + k0, slice, kc, first, panel_bias, out + row * n + col, cols);
+        const float *panel_bias = bias != NULL ? bias + col : NULL;
+        const char *next = p + 1 < panels ? (const char *)(panel + k * NR) : NULL;
+        int64_t row = 0;
+        for (int64_t t = 0; t < full_tiles; ++t, row += MR) {
+            const char *prefetch = next != NULL ? next + t * k * prefetch_step : NULL;
+            tile_mr(x + row * x_stride, x_stride, panel, k, panel_bias, out + row * n + col, n, cols, prefetch, prefetch_step);
         }
+#if MR == 8
+        if (row + 4 <= m) {
+            tile4(x + row * x_stride, x_stride, panel, k, panel_bias, out + row * n + col, n, cols, NULL, 0);
+            row += 4;
+        }
+#endif
+        if (row + 2 <= m) {
+            tile2(x + row * x_stride, x_stride, panel, k, panel_bias, out + row * n + col, n, cols, NULL, 0);
+            row += 2;
+        }
+        if (row < m) tile1(x + row * x_stride, panel, k, panel_bias, out + row * n + col, cols);
     }
 }
