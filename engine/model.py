@@ -47,8 +47,25 @@ def prepack_weight(weight: torch.Tensor, batch_hint: int = 32) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
 
 
+def onednn_row_bucket(rows: int) -> int:
+    """``rows`` rounded up to a multiple of a quarter of the power of two at or below it.
+
+    oneDNN builds and keeps a primitive (~0.5 MiB, not released by its primitive cache) for every
+    distinct row count it sees (docs/reliability.md); a server's prefill steps see every count up to
+    ``max_num_batched_tokens``. Buckets bound that to 4 shapes per octave, with fewer than 25% padded rows."""
+    granule = max(1, (1 << (rows.bit_length() - 1)) // 4)
+    return -(-rows // granule) * granule
+
+
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ W.T + b`` through oneDNN with a prepacked weight (what inductor's freezing emits)."""
+    """``x @ W.T + b`` through oneDNN with a prepacked weight (what inductor's freezing emits), on
+    ``x``'s rows zero-padded to :func:`onednn_row_bucket` (the padded output rows are dropped)."""
+    rows = x.shape[0]
+    bucket = onednn_row_bucket(rows)
+    if bucket != rows:
+        padded = x.new_zeros(bucket, x.shape[1])
+        padded[:rows] = x
+        return torch.ops.mkldnn._linear_pointwise(padded, packed, bias, "none", [], "")[:rows]
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 

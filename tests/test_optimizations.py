@@ -26,7 +26,8 @@ import torch.nn.functional as F
 
 from engine import LLM, SamplingParams, native
 from engine.fused_ops import FusedOps
-from engine.model import RMSNorm, RotaryEmbedding, apply_rope, onednn_linear_supported
+from engine import model as model_module
+from engine.model import RMSNorm, RotaryEmbedding, apply_rope, onednn_linear_supported, onednn_row_bucket
 from engine.skinny_gemm import SkinnyGemm
 from engine.runner import ModelRunner
 from hf_reference import hf_greedy
@@ -112,6 +113,36 @@ def test_packed_linear_serves_one_and_many_rows_and_min_rows_falls_back(tiny_lla
         torch.testing.assert_close(layer(x[:1]), plain(x[:1], layer.weight), rtol=1e-5, atol=1e-5)
         layer.min_rows = 2
         assert torch.equal(layer(x[:1]), plain(x[:1], layer.weight))
+
+
+def test_onednn_row_buckets_are_few_and_pad_less_than_a_quarter():
+    buckets = [onednn_row_bucket(rows) for rows in range(1, 8193)]
+    assert all(bucket >= rows and 4 * (bucket - rows) < rows for rows, bucket in enumerate(buckets, start=1))
+    assert all(onednn_row_bucket(bucket) == bucket for bucket in buckets)  # a bucket is its own bucket
+    assert len(set(buckets)) <= 4 * 13 + 4  # 4 per octave: 8,192 row counts reach oneDNN as <= 56 shapes
+
+
+@needs_onednn
+def test_packed_linear_shows_onednn_only_bucketed_row_counts(monkeypatch):
+    """oneDNN keeps a primitive per distinct row count (docs/reliability.md): every count it is
+    called with is a bucket, and the unpadded rows come back within float32 noise of F.linear."""
+    torch.manual_seed(0)
+    weight, bias = torch.randn(96, 40), torch.randn(96)
+    packed = model_module.prepack_weight(weight)
+    seen: list[int] = []
+    real = torch.ops.mkldnn._linear_pointwise
+
+    def recording(x, *args):
+        seen.append(x.shape[0])
+        return real(x, *args)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", recording)
+    for rows in (129, 200, 333, 1000, 1024):
+        x = torch.randn(rows, 40)
+        out = model_module.packed_linear(x, packed, bias)
+        assert out.shape == (rows, 96)
+        torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+    assert seen == [onednn_row_bucket(rows) for rows in (129, 200, 333, 1000, 1024)] == [160, 224, 384, 1024, 1024]
 
 
 @needs_onednn
