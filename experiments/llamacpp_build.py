@@ -133,7 +133,8 @@ def build_binaries(cache_dir: str | Path | None = None) -> LlamaCppBinaries:
     final = build_dir(cache_dir)
     tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
     for stale in final.parent.glob(f".{final.name}.tmp-*") if final.parent.is_dir() else []:
-        shutil.rmtree(stale, ignore_errors=True)
+        if not process_alive(int(stale.name.rpartition("-")[2])):  # a killed build's leftovers
+            shutil.rmtree(stale, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
         source = unpack_sdist(download_sdist(tmp / "download"), tmp / "src")
@@ -149,7 +150,7 @@ def build_binaries(cache_dir: str | Path | None = None) -> LlamaCppBinaries:
             shutil.copy2(tmp / "build" / "bin" / target, tmp / "bin" / target)
         shutil.copy2(log_path, tmp / "bin" / "build.log")
         for scratch in ("download", "src", "build"):
-            shutil.rmtree(tmp / scratch)
+            shutil.rmtree(tmp / scratch, ignore_errors=True)
         try:
             tmp.rename(final)
         except OSError:  # another process finished first: keep its copy
@@ -160,6 +161,16 @@ def build_binaries(cache_dir: str | Path | None = None) -> LlamaCppBinaries:
     found = cached(cache_dir)
     assert found is not None
     return found
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
 
 
 def download_sdist(into: Path) -> Path:
