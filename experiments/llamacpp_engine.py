@@ -5,7 +5,8 @@ on PATH, cached, or built once), picks the GGUF file of the run's model (``model
 is a ``.gguf`` file, else the file shipped in ``model.gguf_package``), converts it to the weight
 type asked for (``weights``; cached), and starts ``llama-server`` on a free 127.0.0.1 port with
 
-* ``-t`` threads (default: every core of the machine, as llama.cpp's users run it),
+* ``-t`` threads (default: as many as servelab's torch uses, ``torch.get_num_threads()``: the
+  machine's cores, as llama.cpp's users run it, unless ``OMP_NUM_THREADS`` sets fewer for every engine),
 * ``-np`` parallel slots = the run's concurrency, continuous batching on (``-cb``),
 * ``-c`` context = slots x ``ctx_per_slot`` (each slot holds one request's prompt + output),
 * ``--alias`` = the model's name (the ``model`` field of requests).
@@ -23,10 +24,10 @@ the file already has is served as is; another is made once with ``llama-quantize
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
+import torch
 from omegaconf import DictConfig
 
 from engine.gguf_checkpoint import locate_package_file
@@ -87,7 +88,7 @@ class LlamaCppEngine(StartedServerEngine):
         binaries = find_binaries(build=build)
         model_file = served_file(source, weights, binaries)
         port, name = free_loopback_port(), str(cfg.model.name)
-        command = llama_server_command(binaries.server, model_file, port, name, threads or os.cpu_count() or 1,
+        command = llama_server_command(binaries.server, model_file, port, name, threads or torch.get_num_threads(),
                                        slots, ctx_per_slot, [str(arg) for arg in extra_args or ()])
         process = ServerProcess(command, port, run_folder() / "server" / "server.log", startup_timeout_s, stop_timeout_s)
         return cls(cfg, process, HTTPTarget(process.base_url, name, "completions", None, timeout_s), metrics_interval_s)
