@@ -66,6 +66,7 @@ def applied_options(engine: Any) -> dict[str, Any]:
         "fused_ops": getattr(engine, "fused", None),
         "kept_freed_memory": getattr(engine, "kept_freed_memory", None),
         "cuda_graphs": getattr(runner, "graphs", None) is not None if runner is not None else None,
+        "server_command": getattr(engine, "server_command", None),  # a server the run started (HTTP engines)
     }
 
 

@@ -34,7 +34,7 @@ from engine.tokenizer import decode, load_tokenizer, require_tokenizer
 from experiments.driver import DriveResult
 from experiments.http_client import HTTPTarget, drive_result, run_load, warm_up
 from experiments.metrics import SLO
-from experiments.server_process import ServerProcess, free_loopback_port, server_config
+from experiments.server_process import ServerProcess, free_loopback_port, server_config, start_serve_py
 from experiments.server_scrape import MetricsSampler
 from experiments.vllm_bench import vllm_bench_result
 from experiments.workloads import WorkloadRequest
@@ -137,12 +137,26 @@ class OpenAIEngine:
         """Nothing to release: the server is not ours."""
 
 
-class ServelabHTTPEngine(OpenAIEngine):
-    """servelab's own server, started for this run with the run's config (see the module docstring)."""
+class StartedServerEngine(OpenAIEngine):
+    """A server this run started (:class:`ServerProcess`) and stops in :meth:`close`."""
 
     def __init__(self, cfg: DictConfig, process: ServerProcess, target: HTTPTarget, metrics_interval_s: float) -> None:
         super().__init__(cfg, target, metrics_interval_s)
         self.process = process
+
+    @property
+    def server_command(self) -> list[str]:
+        """The server's command line (``summary.json``'s ``environment.server_command``)."""
+        return self.process.command
+
+    def close(self) -> None:
+        code = self.process.stop()
+        if code not in (0, None):
+            raise RuntimeError(f"{self.process.name} exited with code {code}:\n{self.process.log_tail()}")
+
+
+class ServelabHTTPEngine(StartedServerEngine):
+    """servelab's own server, started for this run with the run's config (see the module docstring)."""
 
     @classmethod
     def from_config(cls, cfg: DictConfig, endpoint: str = "completions", timeout_s: float = 600.0,
@@ -155,12 +169,7 @@ class ServelabHTTPEngine(OpenAIEngine):
         name = server_options["served_model_name"] = server_options.get("served_model_name") or cfg.model.name
         run_dir = run_folder() / "server"
         config = server_config(cfg, engine_options, server_options, free_loopback_port(), run_dir)
-        process = ServerProcess(config, run_dir, startup_timeout_s, stop_timeout_s)
+        process = start_serve_py(config, run_dir, startup_timeout_s, stop_timeout_s)
         extra = OmegaConf.to_container(extra_body, resolve=True) if isinstance(extra_body, DictConfig) else extra_body
         target = HTTPTarget(process.base_url, name, endpoint, None, timeout_s, dict(extra or {}))
         return cls(cfg, process, target, metrics_interval_s)
-
-    def close(self) -> None:
-        code = self.process.stop()
-        if code not in (0, None):
-            raise RuntimeError(f"serve.py exited with code {code}:\n{self.process.log_tail()}")

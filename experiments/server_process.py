@@ -1,18 +1,22 @@
-"""Start ``serve.py`` as a subprocess on a free loopback port, wait until it is healthy, stop it.
+"""Start a server as a subprocess on a free loopback port, wait until it is healthy, stop it.
 
-``engine=servelab_http`` uses this to measure servelab through its own HTTP server with exactly the
-run's strategy config: the composed groups (model, cache, scheduler, attention), the engine's
-performance options, device, dtype and seed are written, resolved, into ``server_config.yaml`` in
-the run folder, and ``serve.py`` is started on that file (``--config-path/--config-name``), so
-every override of the run applies to the server too. The server's output goes to ``server.log``.
+:class:`ServerProcess` runs any server command (``serve.py``, llama.cpp's ``llama-server``) in its
+own process group, with its output in a log file. Startup is bounded (``startup_timeout_s``: a
+server that exits early fails at once, with the tail of its log; one that never answers
+``GET /health`` with 200 is stopped and fails); stop sends SIGTERM to the whole group (servelab's
+server aborts what is in flight and exits 0), waits ``stop_timeout_s``, then kills the group, so
+nothing the server started outlives the run.
 
-Startup is bounded (``startup_timeout_s``; a server that exits early fails at once, with the tail of
-its log); stop sends SIGTERM (the server aborts what is in flight and exits 0), waits
-``stop_timeout_s``, then kills.
+``engine=servelab_http`` uses :func:`start_serve_py` to measure servelab through its own HTTP
+server with exactly the run's strategy config: the composed groups (model, cache, scheduler,
+attention), the engine's performance options, device, dtype and seed are written, resolved, into
+``server_config.yaml`` in the run folder, and ``serve.py`` is started on that file
+(``--config-path/--config-name``), so every override of the run applies to the server too.
 """
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -47,23 +51,34 @@ def server_config(cfg: DictConfig, engine_options: dict[str, Any], server_option
     return node
 
 
-class ServerProcess:
-    """A running ``serve.py``; use as a context manager or call :meth:`stop`."""
+def start_serve_py(config: dict[str, Any], run_dir: Path, startup_timeout_s: float,
+                   stop_timeout_s: float) -> "ServerProcess":
+    """``serve.py`` on ``config`` (from :func:`server_config`), written to ``run_dir/server_config.yaml``."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config_file = run_dir / "server_config.yaml"
+    OmegaConf.save(OmegaConf.create(config), config_file)
+    command = [sys.executable, str(REPO_ROOT / "serve.py"), f"--config-path={run_dir.resolve()}",
+               "--config-name=server_config"]
+    return ServerProcess(command, config["server"]["port"], run_dir / "server.log", startup_timeout_s, stop_timeout_s)
 
-    def __init__(self, config: dict[str, Any], run_dir: Path, startup_timeout_s: float, stop_timeout_s: float) -> None:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        self.port = config["server"]["port"]
-        self.base_url = f"http://127.0.0.1:{self.port}/v1"
+
+class ServerProcess:
+    """A running server (``command``, listening on 127.0.0.1:``port``); a context manager, or call :meth:`stop`."""
+
+    def __init__(self, command: list[str], port: int, log_path: Path, startup_timeout_s: float,
+                 stop_timeout_s: float) -> None:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.command = command
+        self.name = Path(command[1] if command[0] == sys.executable else command[0]).name
+        self.port = port
+        self.base_url = f"http://127.0.0.1:{port}/v1"
         self.stop_timeout_s = stop_timeout_s
-        config_file = run_dir / "server_config.yaml"
-        OmegaConf.save(OmegaConf.create(config), config_file)
-        self.log_path = run_dir / "server.log"
-        self.log = self.log_path.open("w")
-        self.process = subprocess.Popen(
-            [sys.executable, str(REPO_ROOT / "serve.py"), f"--config-path={run_dir.resolve()}",
-             "--config-name=server_config"],
-            cwd=REPO_ROOT, stdout=self.log, stderr=subprocess.STDOUT, env=dict(os.environ),
-        )
+        self.log_path = log_path
+        self.log = log_path.open("w")
+        self.log.write(f"$ {shlex.join(command)}\n")
+        self.log.flush()
+        self.process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=self.log, stderr=subprocess.STDOUT,
+                                        env=dict(os.environ), start_new_session=True)
         try:
             self.wait_healthy(startup_timeout_s)
         except BaseException:
@@ -74,7 +89,7 @@ class ServerProcess:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"serve.py exited with code {self.process.returncode} during startup:\n{self.log_tail()}")
+                raise RuntimeError(f"{self.name} exited with code {self.process.returncode} during startup:\n{self.log_tail()}")
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as response:
                     if response.status == 200:
@@ -82,23 +97,30 @@ class ServerProcess:
             except OSError:
                 pass
             time.sleep(0.25)
-        raise TimeoutError(f"serve.py was not healthy after {timeout_s:.0f} s:\n{self.log_tail()}")
+        raise TimeoutError(f"{self.name} was not healthy after {timeout_s:.0f} s:\n{self.log_tail()}")
 
     def log_tail(self, lines: int = 20) -> str:
         self.log.flush()
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
     def stop(self) -> int | None:
-        """SIGTERM, bounded wait, then SIGKILL; returns the exit code."""
+        """SIGTERM to the process group, bounded wait, then SIGKILL to the group; returns the exit code."""
         if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
+            self._signal_group(signal.SIGTERM)
             try:
                 self.process.wait(self.stop_timeout_s)
             except subprocess.TimeoutExpired:
-                self.process.kill()
+                self._signal_group(signal.SIGKILL)
                 self.process.wait(self.stop_timeout_s)
+        self._signal_group(signal.SIGKILL)  # whatever the server started and left behind
         self.log.close()
         return self.process.returncode
+
+    def _signal_group(self, sig: signal.Signals) -> None:
+        try:
+            os.killpg(self.process.pid, sig)  # start_new_session: the group id is the server's pid
+        except (ProcessLookupError, PermissionError):
+            pass  # the group is gone
 
     def __enter__(self) -> "ServerProcess":
         return self

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Re-creates results/reference/: every experiment of conf/experiment/ on
 # model=smollm2-135m (the SmolLM2-135M architecture, random weights, float32; length-controlled
-# workloads with ignore_eos), one after another, plus the roofline probe.
+# workloads with ignore_eos), one after another, plus the roofline probe; peer_benchmark runs on
+# the real model (smollm2-135m-instruct, its GGUF weights: llama.cpp serves the same file).
 # Usage: scripts/reference_runs.sh [experiment ...]   (default: all). An existing folder is kept:
 # remove it first to rerun (nothing is overwritten silently).
 set -euo pipefail
@@ -20,6 +21,8 @@ for name in "${experiments[@]}"; do
   echo "$name: $(date -u '+%F %T') UTC, $machine, load average $(cut -d' ' -f1-3 /proc/loadavg)" >> "$OUT/MACHINE.txt"
   if [ "$name" = roofline ]; then
     $PY -m experiments.roofline --out "$OUT/roofline"
+  elif [ "$name" = peer_benchmark ]; then
+    $PY run.py +experiment="$name" hydra.sweep.dir="$OUT/$name" driver.progress=false
   else
     $PY run.py +experiment="$name" model=smollm2-135m hydra.sweep.dir="$OUT/$name" driver.progress=false
   fi

@@ -18,7 +18,7 @@ from engine.config import CONF_DIR
 from experiments.http_client import HTTPOutcome, HTTPTarget, drive_result, run_load
 from experiments.job import execute
 from experiments.metrics import SLO
-from experiments.server_process import ServerProcess, free_loopback_port, server_config
+from experiments.server_process import free_loopback_port, server_config, start_serve_py
 from experiments.vllm_bench import VLLM_RESULT_KEYS, vllm_bench_result
 from experiments.workloads import WorkloadRequest, special_token_ids
 from server_harness import live_server, wrap_forward
@@ -116,7 +116,7 @@ def test_sigterm_aborts_in_flight_streams_and_exits_zero(tmp_path: Path) -> None
     config = server_config(cfg, {}, {"max_waiting": 64, "warmup_requests": 1, "served_model_name": "tiny",
                                      "api_key": None, "graceful_shutdown_s": 5.0, "log_level": "info"},
                            free_loopback_port(), tmp_path)
-    process = ServerProcess(config, tmp_path, startup_timeout_s=120, stop_timeout_s=20)
+    process = start_serve_py(config, tmp_path, startup_timeout_s=120, stop_timeout_s=20)
     body = {"model": "tiny", "max_tokens": 4000, "ignore_eos": True, "stream": True}  # seconds of work per stream
     endings: list[str] = []
 
