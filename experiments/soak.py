@@ -15,11 +15,9 @@ small, so the preemptive scheduler preempts. At the end:
 * resident memory (RSS, ``/proc/self/statm``) did not grow after warm-up: the largest sample
   after the warm-up share of requests minus the sample at its end is reported and bounded.
 
-``prepack`` is off by default here: the oneDNN-packed linears (``LLM(prepack=...)``) keep about
-0.5 MiB per linear for every distinct number of rows (tokens in a step) they have seen, even with
-oneDNN's primitive cache disabled (``python -m experiments.soak --prepack auto`` shows RSS
-climbing with every new step shape; docs/reliability.md has the measurement). That growth is
-bounded only by ``max_num_batched_tokens`` and is reported separately from leaks of the engine.
+``prepack`` follows the engine's default (``auto``: oneDNN-packed linears on CPU float32). oneDNN
+keeps a primitive per distinct number of rows it sees; ``engine/model.py`` pads rows to a few
+buckets per octave so that state stays small (docs/reliability.md has the before/after).
 
 The engine keeps a per-step log (``LLM.step_records``) that its consumer drains, as the server's
 metrics loop does; the soak folds it into counters every step.
@@ -61,7 +59,7 @@ class SoakConfig:
     warmup_fraction: float = 0.2     # RSS growth is measured after this share of requests finished
     rss_samples: int = 50
     threads: int = 1                 # torch intra-op threads (the tiny model's ops are too small for more)
-    prepack: bool | str = False      # LLM(prepack=...): see the module docstring
+    prepack: bool | str = "auto"     # LLM(prepack=...): the engine's default; see the module docstring
     seed: int = 0
 
 
@@ -199,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", type=float, default=SoakConfig.rate, help="mean arrivals per engine step")
     parser.add_argument("--capacity-tokens", type=int, default=SoakConfig.capacity_tokens)
     parser.add_argument("--seed", type=int, default=SoakConfig.seed)
-    parser.add_argument("--prepack", default="false", help="LLM(prepack=...): false (default here) | auto | true")
+    parser.add_argument("--prepack", default="auto", help="LLM(prepack=...): auto (the engine's default) | false | true")
     parser.add_argument("--out", type=Path, default=None, help="folder for soak.json (config, counters, RSS samples)")
     args = parser.parse_args(argv)
     prepack = {"false": False, "true": True}.get(args.prepack, args.prepack)
