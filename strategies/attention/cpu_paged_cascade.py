@@ -36,25 +36,28 @@ import torch
 
 from engine import native
 from engine.attention_metadata import AttentionMetadata
-from strategies.attention.cpu_paged import CpuPagedBackend, _token_rows
+from strategies.attention.cpu_paged import CpuPagedBackend, _kernel_ints
+from strategies.attention.packed_prefixes import PackedPrefixes
 
 
 _POINTER, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 
 def _kernel():
-    return native.function("cascade_attention", "cascade_prefix_attention_f32", [
-        _POINTER, _I64, _POINTER, _POINTER,  # query, its token stride, k_cache, v_cache
+    return native.function("cascade_attention", "cascade_decode_f32", [
+        _POINTER, _I64, _POINTER, _POINTER, _I64,  # query, its token stride, new keys, new values, their token stride
+        _POINTER, _I64, _POINTER, _POINTER,  # slot_mapping, num_tokens, k_cache, v_cache
+        _POINTER, _I64, _POINTER, _POINTER,  # block_tables, its row stride, context_lens, kv_starts
         _I64, _POINTER, _POINTER, _POINTER, _POINTER,  # num_groups, row_starts, rows, block_starts, blocks
+        _POINTER, _POINTER,  # packed prefix buffers (one pointer per group), pack flags (int32 per group)
         _I64, _I64, _I64, _I64,  # num_heads, num_kv_heads, head_dim, block_size
-        ctypes.c_float, _POINTER, _I64, _POINTER,  # scale, out (own part in, merged out), its token stride, lse
-        _POINTER, _I64,  # workspace, its size in floats
+        ctypes.c_float, _POINTER, _I64, _POINTER,  # scale, out, its token stride, lse scratch
     ], ctypes.c_int)
 
 
-def _workspace_size():
-    # num_groups, block_starts, num_kv_heads, head_dim, block_size -> floats
-    return native.function("cascade_attention", "cascade_workspace_floats", [_I64, _POINTER, _I64, _I64, _I64], _I64)
+def _packed_floats():
+    # num_keys, num_kv_heads, head_dim -> floats of one group's packed prefix
+    return native.function("cascade_attention", "cascade_packed_floats", [_I64, _I64, _I64], _I64)
 
 
 @dataclass(frozen=True)
@@ -62,7 +65,7 @@ class PrefixGroup:
     """Decode rows (= sequence and token indices) holding the physical blocks ``blocks`` as their first blocks."""
 
     rows: list[int]
-    blocks: list[int]
+    blocks: tuple[int, ...]
     num_tokens: int
 
     @property
@@ -86,11 +89,16 @@ class CascadePlan:
 @dataclass
 class CascadeStats:
     """Cumulative counts: forward calls that took the cascade path, groups, and shared key rows
-    that were read once per group instead of once per member (summed over layers)."""
+    that were read once per group instead of once per member (summed over layers); packed
+    prefixes (per layer and group) copied out of the cache, reused from an earlier step, and
+    dropped because a step wrote into their blocks."""
 
     cascade_calls: int = 0
     groups: int = 0
     shared_rows_saved: int = 0
+    prefixes_packed: int = 0
+    prefixes_reused: int = 0
+    prefixes_invalidated: int = 0
 
 
 def _offsets(lengths: list[int]) -> torch.Tensor:
@@ -120,7 +128,7 @@ def plan_groups(metadata: AttentionMetadata, min_group_size: int, min_shared_tok
             continue
         for row in rows:
             kv_starts[row] = common * block_size
-        groups.append(PrefixGroup(rows, leader[:common], common * block_size))
+        groups.append(PrefixGroup(rows, tuple(leader[:common]), common * block_size))
     return CascadePlan(
         groups, torch.tensor(kv_starts, dtype=torch.int32),
         _offsets([g.num_rows for g in groups]), torch.tensor([r for g in groups for r in g.rows], dtype=torch.int32),
@@ -134,19 +142,22 @@ class CpuPagedCascadeBackend(CpuPagedBackend):
     Args:
         min_group_size: fewest sequences sharing a prefix for the cascade path (at least 2).
         min_shared_tokens: shortest shared prefix (whole blocks) worth a separate pass.
+        packed_prefix_mb: memory for packed prefixes kept across steps (:mod:`packed_prefixes`).
     """
 
     name = "cpu_paged_cascade"
 
-    def __init__(self, min_group_size: int = 2, min_shared_tokens: int = 64) -> None:
+    def __init__(self, min_group_size: int = 2, min_shared_tokens: int = 64, packed_prefix_mb: float = 64) -> None:
         if min_group_size < 2:
             raise ValueError(f"min_group_size must be >= 2 (a group of one shares nothing), got {min_group_size}")
         if min_shared_tokens < 1:
             raise ValueError(f"min_shared_tokens must be >= 1, got {min_shared_tokens}")
+        if packed_prefix_mb < 0:
+            raise ValueError(f"packed_prefix_mb must be >= 0, got {packed_prefix_mb}")
         super().__init__()
         self._cascade = _kernel()  # builds it now: a missing compiler fails at startup
-        self._workspace_size = _workspace_size()
-        self._workspace = torch.empty(0)  # the kernel's packed prefixes; grows to the largest step seen
+        self._packed_floats = _packed_floats()
+        self.packed_prefixes = PackedPrefixes(int(packed_prefix_mb * 2**20))
         self.min_group_size = min_group_size
         self.min_shared_tokens = min_shared_tokens
         self.stats = CascadeStats()
@@ -161,6 +172,8 @@ class CpuPagedCascadeBackend(CpuPagedBackend):
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
+        # once per step, before any layer writes: kept prefixes whose blocks this step writes go
+        metadata.cached(("cpu_paged_cascade.forget_written", id(self)), lambda: self._forget_written(metadata))
         if not metadata.is_decode_only or metadata.num_seqs < self.min_group_size:
             return self.attend(query, key, value, k_cache, v_cache, metadata, scale)
         plan = metadata.cached(
@@ -169,28 +182,38 @@ class CpuPagedCascadeBackend(CpuPagedBackend):
         )
         if not plan.groups:
             return self.attend(query, key, value, k_cache, v_cache, metadata, scale)
+        query, key, value = self.checked_inputs(query, key, value, k_cache, v_cache)
         num_tokens, num_heads, head_dim = query.shape
-        lse = torch.empty(num_tokens, num_heads, dtype=torch.float32)
-        out = self.attend(query, key, value, k_cache, v_cache, metadata, scale, kv_starts=plan.kv_starts, lse=lse)
-        query = _token_rows(query)
         num_kv_heads = k_cache.shape[2]
-        needed = metadata.cached(
-            ("cpu_paged_cascade.workspace", self.min_group_size, self.min_shared_tokens, num_kv_heads, head_dim),
-            lambda: self._workspace_size(len(plan.groups), plan.block_starts.data_ptr(), num_kv_heads, head_dim,
-                                         metadata.block_size),
-        )
-        if self._workspace.numel() < needed:
-            self._workspace = torch.empty(needed)
+        slot_mapping, block_tables, context_lens, _ = metadata.cached("cpu_paged.ints", lambda: _kernel_ints(metadata))
+        buffers = [
+            self.packed_prefixes.buffer(k_cache, v_cache, g.blocks, self._packed_floats(g.num_tokens, num_kv_heads, head_dim))
+            for g in plan.groups
+        ]
+        to_pack = [int(pack) for _, pack in buffers]
+        pointers = torch.tensor([b.data_ptr() for b, _ in buffers], dtype=torch.int64)
+        flags = torch.tensor(to_pack, dtype=torch.int32)
+        out = torch.empty(num_tokens, num_heads, head_dim, dtype=query.dtype)
+        lse = torch.empty(num_tokens, num_heads, dtype=torch.float32)
         status = self._cascade(
-            query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+            query.data_ptr(), query.stride(0), key.data_ptr(), value.data_ptr(), key.stride(0),
+            slot_mapping.data_ptr(), num_tokens, k_cache.data_ptr(), v_cache.data_ptr(),
+            block_tables.data_ptr(), block_tables.stride(0), context_lens.data_ptr(), plan.kv_starts.data_ptr(),
             len(plan.groups), plan.row_starts.data_ptr(), plan.rows.data_ptr(),
             plan.block_starts.data_ptr(), plan.blocks.data_ptr(),
+            pointers.data_ptr(), flags.data_ptr(),
             num_heads, num_kv_heads, head_dim, metadata.block_size, scale, out.data_ptr(), out.stride(0),
-            lse.data_ptr(), self._workspace.data_ptr(), self._workspace.numel(),
+            lse.data_ptr(),
         )
         if status != 0:
-            raise RuntimeError(f"{self.name} shared-prefix kernel failed with status {status}")
+            raise RuntimeError(f"{self.name} kernel failed with status {status}")
         self.stats.cascade_calls += 1
         self.stats.groups += len(plan.groups)
         self.stats.shared_rows_saved += sum((g.num_rows - 1) * g.num_tokens for g in plan.groups)
+        self.stats.prefixes_packed += sum(to_pack)
+        self.stats.prefixes_reused += len(to_pack) - sum(to_pack)
         return out
+
+    def _forget_written(self, metadata: AttentionMetadata) -> None:
+        self.stats.prefixes_invalidated += self.packed_prefixes.forget_written(metadata.slot_mapping,
+                                                                              metadata.block_size)
