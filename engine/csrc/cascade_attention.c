@@ -295,7 +295,9 @@ static void own_item(
     for (int64_t first = first_key; first < context_len; first += LANES) {
         const int64_t tile_len = context_len - first < LANES ? context_len - first : LANES;
         const float *key_rows[LANES], *value_rows[LANES];
-        for (int64_t j = 0; j < LANES; ++j) { /* lanes past the tile re-read its first key, then are masked */
+        /* lanes past the tile re-read its first key: a real score, so the tile's max stands; their
+         * weights are zeroed */
+        for (int64_t j = 0; j < LANES; ++j) {
             const int64_t position = first + (j < tile_len ? j : 0);
             const int64_t slot = (int64_t)block_table[position / block_size] * block_size + position % block_size;
             key_rows[j] = k_cache + slot * slot_stride, value_rows[j] = v_cache + slot * slot_stride;
@@ -318,7 +320,6 @@ static void own_item(
             vf scores = lane_sums(partial);
             if (full < head_dim)
                 for (int j = 0; j < LANES; ++j) scores[j] += dot(q[h] + full, key_rows[j] + offset + full, head_dim - full);
-            scores = vselect(valid, scores, vbroadcast(-INFINITY));
             const float tile_max = lane_max(scores);
             const float new_max = tile_max > running_max[h] ? tile_max : running_max[h];
             const float correction = expf(running_max[h] - new_max); /* 0 on the first tile */
