@@ -1,6 +1,6 @@
-/* Cascade attention, the shared part, for the CPU in float32: decode queries of every sequence in a
- * group attend *together* to the prefix blocks they all share, and the result is merged into each
- * sequence's own-part output (cpu_paged's kernel run from the prefix end, with log-sum-exps).
+/* Cascade attention for a CPU decode step in float32: each sequence attends to its own keys
+ * (own_item), then the decode queries of every sequence in a group attend *together* to the prefix
+ * blocks they all share, and the two are merged through their log-sum-exps (cascade_decode_f32).
  *
  * Why a separate pass pays off on a CPU: the shared K/V is small and stays in cache, so the cost
  * is arithmetic, not memory traffic. Per-sequence attention (paged_attention.c) scores one query
@@ -14,10 +14,11 @@
  *            broadcast into LANES fused multiply-adds; LANES accumulators = a tile of dims)
  * No horizontal sums and one vector load per LANES multiply-adds. The softmax over a chunk of keys
  * is lane-wise (a vertical max and sum), online across chunks (running max m, running sum l,
- * accumulators rescaled when m grows). Each (group, KV head)'s prefix is first copied out of the
- * paged cache once per call: K transposed into key tiles, V rows side by side (pack_prefix).
+ * accumulators rescaled when m grows). The items read each group's prefix from a packed copy (K
+ * transposed into key tiles, V rows side by side: pack_tile) that the caller keeps across decode
+ * steps and asks to be (re)made only when the group's blocks are new or were written.
  *
- * Work items = (group, KV head, tile of LANES query vectors) run in parallel on torch's OpenMP
+ * Shared-part work items = (group, KV head, tile of LANES query vectors) run in parallel on torch's OpenMP
  * runtime (same libgomp soname, see engine/native.py). Each item ends by merging its result into
  * `out`: with the shared part's log-sum-exp s1 = m + log l and the own part's s2 (read from
  * `lse`), out = (o1 e^{s1} + o2 e^{s2}) / (e^{s1} + e^{s2}) exactly. Every query vector belongs

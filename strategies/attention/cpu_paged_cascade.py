@@ -6,17 +6,24 @@ blocks once per user: 30 users x 500 shared tokens = 15,000 key rows per layer, 
 500. Cascade (two-level) attention, as in FlashInfer's cascade kernels and SGLang's
 RadixAttention, splits each query's keys into the shared prefix and its own suffix:
 
-1. **own part, per sequence**: ``cpu_paged``'s C kernel over keys ``prefix .. end`` only (it
-   takes per-sequence key starts), returning each query vector's log-sum-exp with its output;
+1. **own part, per sequence**: its keys from the prefix end on (a few dozen in decode), read in
+   place through its block table, with each query vector's log-sum-exp kept for the merge; a
+   tile of 16 (8) keys is scored as 16 vectors of per-dim partial products and lane-summed into
+   one vector of scores, so short rows cost little per row (sequences outside every group take
+   the same path over their whole context);
 2. **shared part, once per group, merged in place** (``csrc/cascade_attention.c``): the queries
    of all members x query heads of one KV head fill the lanes of a vector (16 with AVX-512, 8
    with AVX2) and attend to the prefix keys together, as two register-tiled matrix products
    (scores, then values) instead of one thin dot product per user and key — on a CPU the same
-   multiply-adds, but without horizontal sums and with one load per lane count of them. Both parts are softmax-normalised over
+   multiply-adds, but without horizontal sums and with one load per lane count of them. The
+   prefix is read from a packed copy (K transposed into key tiles, V rows side by side) that is
+   kept across decode steps while the group's blocks hold the same K/V (:mod:`packed_prefixes`
+   says when a copy goes stale). Both parts are softmax-normalised over
    their own keys; with their log-sum-exps ``s1``, ``s2`` the exact result is
    ``(o1 e^{s1} + o2 e^{s2}) / (e^{s1} + e^{s2})``, which the kernel writes over the own part.
 
-So each layer costs two C calls and no tensor op in Python. The grouping is built once per step
+So a decode step with groups costs one C call per layer (it also writes the step's new K/V) and no
+tensor op in Python. The grouping is built once per step
 (:func:`plan_groups`, cached on the attention metadata for all layers) from the step's block
 tables, no engine help needed: decode sequences whose first block is the same physical block
 share a prefix; the shared length is the run of equal leading blocks common to all members,
