@@ -14,9 +14,8 @@
  *            broadcast into LANES fused multiply-adds; LANES accumulators = a tile of dims)
  * No horizontal sums and one vector load per LANES multiply-adds. The softmax over a chunk of keys
  * is lane-wise (a vertical max and sum), online across chunks (running max m, running sum l,
- * accumulators rescaled when m grows). The items read each group's prefix from a packed copy (K
- * transposed into key tiles, V rows side by side: pack_tile) that the caller keeps across decode
- * steps and asks to be (re)made only when the group's blocks are new or were written.
+ * accumulators rescaled when m grows). Each group's prefix is first copied out of the paged cache
+ * once per call: K transposed into key tiles, V rows side by side (pack_tile).
  *
  * Shared-part work items = (group, KV head, tile of LANES query vectors) run in parallel on torch's OpenMP
  * runtime (same libgomp soname, see engine/native.py). Each item ends by merging its result into
@@ -360,45 +359,58 @@ static void own_item(
     }
 }
 
-/* Floats of one group's packed prefix of num_keys keys: K and V of every KV head, keys padded to
- * whole tiles (the wrapper sizes the buffers it keeps across steps with it). */
-int64_t cascade_packed_floats(int64_t num_keys, int64_t num_kv_heads, int64_t head_dim) {
+/* Floats of one group's packed prefix: K and V of every KV head, keys padded to whole tiles. */
+static int64_t packed_floats(int64_t num_keys, int64_t num_kv_heads, int64_t head_dim) {
     return num_kv_heads * 2 * ((num_keys + KEY_TILE - 1) / KEY_TILE * KEY_TILE) * head_dim;
+}
+
+/* The workspace cascade_decode_f32 needs for these groups, in floats. */
+int64_t cascade_workspace_floats(int64_t num_groups, const int64_t *block_starts, int64_t num_kv_heads,
+                                 int64_t head_dim, int64_t block_size) {
+    int64_t total = 0;
+    for (int64_t g = 0; g < num_groups; ++g)
+        total += packed_floats((block_starts[g + 1] - block_starts[g]) * block_size, num_kv_heads, head_dim);
+    return total;
 }
 
 /* A whole decode step of one layer (one query token per sequence: token b = sequence b).
  *  1. The new K/V rows (num_kv_heads * head_dim floats, new_token_stride apart) are written into
  *     their cache slots (slot_mapping), as paged_attention_f32 does.
- *  2. Groups whose pack[g] is set get their prefix packed into packed[g] (a buffer of
- *     cascade_packed_floats floats, per KV head its K tiles then its V rows; the caller keeps it
- *     and clears pack[g] in later steps while the group's blocks hold the same K/V). Meanwhile
- *     every sequence's own part runs (own_item from kv_starts[b]: the prefix end for members, 0
+ *  2. Every group's prefix is packed into `workspace` (cascade_workspace_floats floats, owned by
+ *     the caller so that it is not allocated and faulted in again in every layer), per KV head
+ *     its K tiles then its V rows: a streaming read of the prefix that also leaves it in cache
+ *     for step 3 (a copy kept across steps instead was measured slower: it is cold by the next
+ *     step, docs/shared_prefix_attention.md). Meanwhile every sequence's own part runs (own_item from kv_starts[b]: the prefix end for members, 0
  *     for everyone else), leaving its output in `out` and its log-sum-exp in `lse` [T, num_heads].
  *  3. The shared part of every (group, KV head, tile of LANES query vectors), merged into `out`.
  * Group g's members are the query tokens rows[row_starts[g] .. row_starts[g + 1]); they share the
  * blocks blocks[block_starts[g] .. block_starts[g + 1]) as their first blocks. Returns 0 on
  * success, 1 if head_dim exceeds MAX_HEAD_DIM, num_heads MAX_OWN_VECTORS or the heads do not
- * group, 2 if the work list could not be allocated. */
+ * group, 2 if the work list could not be allocated, 3 if the workspace is too small. */
 int cascade_decode_f32(
     const float *query, int64_t query_token_stride, const float *new_keys, const float *new_values,
     int64_t new_token_stride, const int64_t *slot_mapping, int64_t num_tokens, float *k_cache, float *v_cache,
     const int32_t *block_tables, int64_t block_table_stride, const int32_t *context_lens, const int32_t *kv_starts,
     int64_t num_groups, const int64_t *row_starts, const int32_t *rows, const int64_t *block_starts,
-    const int32_t *blocks, float *const *packed, const int32_t *pack, int64_t num_heads, int64_t num_kv_heads,
-    int64_t head_dim, int64_t block_size, float scale, float *out, int64_t out_token_stride, float *lse) {
+    const int32_t *blocks, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+    float scale, float *out, int64_t out_token_stride, float *lse, float *workspace, int64_t workspace_floats) {
     if (head_dim > MAX_HEAD_DIM || num_heads > MAX_OWN_VECTORS || num_heads % num_kv_heads != 0) return 1;
+    if (workspace_floats < cascade_workspace_floats(num_groups, block_starts, num_kv_heads, head_dim, block_size))
+        return 3;
     const int64_t group = num_heads / num_kv_heads, slot_floats = num_kv_heads * head_dim;
     /* item_starts[g]: first shared-part item of group g (num_kv_heads x tiles of its query vectors);
-     * tile_starts[g]: first key tile to pack of group g (none unless pack[g]) */
-    int64_t *item_starts = malloc(sizeof(int64_t) * 2 * (num_groups + 1));
+     * tile_starts[g]: first key tile of group g (the packing units);
+     * packed_starts[g]: its packed prefix in the workspace */
+    int64_t *item_starts = malloc(sizeof(int64_t) * 3 * (num_groups + 1));
     if (item_starts == NULL) return 2;
-    int64_t *tile_starts = item_starts + num_groups + 1;
-    item_starts[0] = tile_starts[0] = 0;
+    int64_t *tile_starts = item_starts + num_groups + 1, *packed_starts = tile_starts + num_groups + 1;
+    item_starts[0] = tile_starts[0] = packed_starts[0] = 0;
     for (int64_t g = 0; g < num_groups; ++g) {
         const int64_t tiles = ((row_starts[g + 1] - row_starts[g]) * group + LANES - 1) / LANES;
         const int64_t keys = (block_starts[g + 1] - block_starts[g]) * block_size;
         item_starts[g + 1] = item_starts[g] + num_kv_heads * tiles;
-        tile_starts[g + 1] = tile_starts[g] + (pack[g] ? (keys + KEY_TILE - 1) / KEY_TILE : 0);
+        tile_starts[g + 1] = tile_starts[g] + (keys + KEY_TILE - 1) / KEY_TILE;
+        packed_starts[g + 1] = packed_starts[g] + packed_floats(keys, num_kv_heads, head_dim);
     }
     const int64_t num_items = item_starts[num_groups], num_units = tile_starts[num_groups];
 #pragma omp parallel
@@ -409,13 +421,13 @@ int cascade_decode_f32(
             memcpy(v_cache + slot_mapping[t] * slot_floats, new_values + t * new_token_stride, sizeof(float) * slot_floats);
         }
 #pragma omp for schedule(dynamic, 1) nowait
-        for (int64_t unit = 0; unit < num_units; ++unit) {
+        for (int64_t unit = 0; unit < num_units; ++unit) { /* packing and own parts overlap */
             int64_t g = 0;
             while (tile_starts[g + 1] <= unit) ++g;
-            const int64_t keys = (block_starts[g + 1] - block_starts[g]) * block_size;
-            pack_tile(k_cache, v_cache, blocks + block_starts[g], keys, (unit - tile_starts[g]) * KEY_TILE,
-                      num_kv_heads, head_dim, block_size, packed[g],
-                      cascade_packed_floats(keys, num_kv_heads, head_dim) / num_kv_heads / 2);
+            const int64_t half = (packed_starts[g + 1] - packed_starts[g]) / num_kv_heads / 2;
+            pack_tile(k_cache, v_cache, blocks + block_starts[g], (block_starts[g + 1] - block_starts[g]) * block_size,
+                      (unit - tile_starts[g]) * KEY_TILE, num_kv_heads, head_dim, block_size,
+                      workspace + packed_starts[g], half);
         }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t b = 0; b < num_tokens; ++b)
@@ -429,11 +441,11 @@ int cascade_decode_f32(
             const int64_t num_rows = row_starts[g + 1] - row_starts[g];
             const int64_t tiles = (num_rows * group + LANES - 1) / LANES;
             const int64_t h = (item - item_starts[g]) / tiles, tile = (item - item_starts[g]) % tiles;
-            const int64_t keys = (block_starts[g + 1] - block_starts[g]) * block_size;
-            const int64_t half = cascade_packed_floats(keys, num_kv_heads, head_dim) / num_kv_heads / 2;
-            const float *k_t = packed[g] + 2 * h * half;
-            prefix_item(query, query_token_stride, k_t, k_t + half, rows + row_starts[g], num_rows, keys, h,
-                        tile * LANES, num_heads, num_kv_heads, head_dim, scale, out, out_token_stride, lse);
+            const int64_t half = (packed_starts[g + 1] - packed_starts[g]) / num_kv_heads / 2;
+            const float *k_t = workspace + packed_starts[g] + 2 * h * half;
+            prefix_item(query, query_token_stride, k_t, k_t + half, rows + row_starts[g], num_rows,
+                        (block_starts[g + 1] - block_starts[g]) * block_size, h, tile * LANES, num_heads,
+                        num_kv_heads, head_dim, scale, out, out_token_stride, lse);
         }
     }
     free(item_starts);

@@ -16,9 +16,9 @@ RadixAttention, splits each query's keys into the shared prefix and its own suff
    with AVX2) and attend to the prefix keys together, as two register-tiled matrix products
    (scores, then values) instead of one thin dot product per user and key — on a CPU the same
    multiply-adds, but without horizontal sums and with one load per lane count of them. The
-   prefix is read from a packed copy (K transposed into key tiles, V rows side by side) that is
-   kept across decode steps while the group's blocks hold the same K/V (:mod:`packed_prefixes`
-   says when a copy goes stale). Both parts are softmax-normalised over
+   prefix is first copied out of the paged cache (K transposed into key tiles, V rows side by
+   side) in every layer of every step: that streaming read also brings it into cache for the
+   products (a copy kept across steps was measured slower). Both parts are softmax-normalised over
    their own keys; with their log-sum-exps ``s1``, ``s2`` the exact result is
    ``(o1 e^{s1} + o2 e^{s2}) / (e^{s1} + e^{s2})``, which the kernel writes over the own part.
 
@@ -44,7 +44,6 @@ import torch
 from engine import native
 from engine.attention_metadata import AttentionMetadata
 from strategies.attention.cpu_paged import CpuPagedBackend, _kernel_ints
-from strategies.attention.packed_prefixes import PackedPrefixes
 
 
 _POINTER, _I64 = ctypes.c_void_p, ctypes.c_int64
@@ -56,15 +55,15 @@ def _kernel():
         _POINTER, _I64, _POINTER, _POINTER,  # slot_mapping, num_tokens, k_cache, v_cache
         _POINTER, _I64, _POINTER, _POINTER,  # block_tables, its row stride, context_lens, kv_starts
         _I64, _POINTER, _POINTER, _POINTER, _POINTER,  # num_groups, row_starts, rows, block_starts, blocks
-        _POINTER, _POINTER,  # packed prefix buffers (one pointer per group), pack flags (int32 per group)
         _I64, _I64, _I64, _I64,  # num_heads, num_kv_heads, head_dim, block_size
         ctypes.c_float, _POINTER, _I64, _POINTER,  # scale, out, its token stride, lse scratch
+        _POINTER, _I64,  # workspace, its size in floats
     ], ctypes.c_int)
 
 
-def _packed_floats():
-    # num_keys, num_kv_heads, head_dim -> floats of one group's packed prefix
-    return native.function("cascade_attention", "cascade_packed_floats", [_I64, _I64, _I64], _I64)
+def _workspace_size():
+    # num_groups, block_starts, num_kv_heads, head_dim, block_size -> floats
+    return native.function("cascade_attention", "cascade_workspace_floats", [_I64, _POINTER, _I64, _I64, _I64], _I64)
 
 
 @dataclass(frozen=True)
@@ -96,16 +95,11 @@ class CascadePlan:
 @dataclass
 class CascadeStats:
     """Cumulative counts: forward calls that took the cascade path, groups, and shared key rows
-    that were read once per group instead of once per member (summed over layers); packed
-    prefixes (per layer and group) copied out of the cache, reused from an earlier step, and
-    dropped because a step wrote into their blocks."""
+    that were read once per group instead of once per member (summed over layers)."""
 
     cascade_calls: int = 0
     groups: int = 0
     shared_rows_saved: int = 0
-    prefixes_packed: int = 0
-    prefixes_reused: int = 0
-    prefixes_invalidated: int = 0
 
 
 def _offsets(lengths: list[int]) -> torch.Tensor:
@@ -149,22 +143,19 @@ class CpuPagedCascadeBackend(CpuPagedBackend):
     Args:
         min_group_size: fewest sequences sharing a prefix for the cascade path (at least 2).
         min_shared_tokens: shortest shared prefix (whole blocks) worth a separate pass.
-        packed_prefix_mb: memory for packed prefixes kept across steps (:mod:`packed_prefixes`).
     """
 
     name = "cpu_paged_cascade"
 
-    def __init__(self, min_group_size: int = 2, min_shared_tokens: int = 64, packed_prefix_mb: float = 64) -> None:
+    def __init__(self, min_group_size: int = 2, min_shared_tokens: int = 64) -> None:
         if min_group_size < 2:
             raise ValueError(f"min_group_size must be >= 2 (a group of one shares nothing), got {min_group_size}")
         if min_shared_tokens < 1:
             raise ValueError(f"min_shared_tokens must be >= 1, got {min_shared_tokens}")
-        if packed_prefix_mb < 0:
-            raise ValueError(f"packed_prefix_mb must be >= 0, got {packed_prefix_mb}")
         super().__init__()
         self._cascade = _kernel()  # builds it now: a missing compiler fails at startup
-        self._packed_floats = _packed_floats()
-        self.packed_prefixes = PackedPrefixes(int(packed_prefix_mb * 2**20))
+        self._workspace_size = _workspace_size()
+        self._workspace = torch.empty(0)  # the kernel's packed prefixes; grows to the largest step seen
         self.min_group_size = min_group_size
         self.min_shared_tokens = min_shared_tokens
         self.stats = CascadeStats()
@@ -179,8 +170,6 @@ class CpuPagedCascadeBackend(CpuPagedBackend):
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        # once per step, before any layer writes: kept prefixes whose blocks this step writes go
-        metadata.cached(("cpu_paged_cascade.forget_written", id(self)), lambda: self._forget_written(metadata))
         if not metadata.is_decode_only or metadata.num_seqs < self.min_group_size:
             return self.attend(query, key, value, k_cache, v_cache, metadata, scale)
         plan = metadata.cached(
@@ -193,13 +182,13 @@ class CpuPagedCascadeBackend(CpuPagedBackend):
         num_tokens, num_heads, head_dim = query.shape
         num_kv_heads = k_cache.shape[2]
         slot_mapping, block_tables, context_lens, _ = metadata.cached("cpu_paged.ints", lambda: _kernel_ints(metadata))
-        buffers = [
-            self.packed_prefixes.buffer(k_cache, v_cache, g.blocks, self._packed_floats(g.num_tokens, num_kv_heads, head_dim))
-            for g in plan.groups
-        ]
-        to_pack = [int(pack) for _, pack in buffers]
-        pointers = torch.tensor([b.data_ptr() for b, _ in buffers], dtype=torch.int64)
-        flags = torch.tensor(to_pack, dtype=torch.int32)
+        needed = metadata.cached(
+            ("cpu_paged_cascade.workspace", self.min_group_size, self.min_shared_tokens, num_kv_heads, head_dim),
+            lambda: self._workspace_size(len(plan.groups), plan.block_starts.data_ptr(), num_kv_heads, head_dim,
+                                         metadata.block_size),
+        )
+        if self._workspace.numel() < needed:
+            self._workspace = torch.empty(needed)
         out = torch.empty(num_tokens, num_heads, head_dim, dtype=query.dtype)
         lse = torch.empty(num_tokens, num_heads, dtype=torch.float32)
         status = self._cascade(
@@ -208,19 +197,12 @@ class CpuPagedCascadeBackend(CpuPagedBackend):
             block_tables.data_ptr(), block_tables.stride(0), context_lens.data_ptr(), plan.kv_starts.data_ptr(),
             len(plan.groups), plan.row_starts.data_ptr(), plan.rows.data_ptr(),
             plan.block_starts.data_ptr(), plan.blocks.data_ptr(),
-            pointers.data_ptr(), flags.data_ptr(),
             num_heads, num_kv_heads, head_dim, metadata.block_size, scale, out.data_ptr(), out.stride(0),
-            lse.data_ptr(),
+            lse.data_ptr(), self._workspace.data_ptr(), self._workspace.numel(),
         )
         if status != 0:
             raise RuntimeError(f"{self.name} kernel failed with status {status}")
         self.stats.cascade_calls += 1
         self.stats.groups += len(plan.groups)
         self.stats.shared_rows_saved += sum((g.num_rows - 1) * g.num_tokens for g in plan.groups)
-        self.stats.prefixes_packed += sum(to_pack)
-        self.stats.prefixes_reused += len(to_pack) - sum(to_pack)
         return out
-
-    def _forget_written(self, metadata: AttentionMetadata) -> None:
-        self.stats.prefixes_invalidated += self.packed_prefixes.forget_written(metadata.slot_mapping,
-                                                                              metadata.block_size)
