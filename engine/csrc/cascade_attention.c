@@ -380,8 +380,9 @@ int64_t cascade_workspace_floats(int64_t num_groups, const int64_t *block_starts
  *     the caller so that it is not allocated and faulted in again in every layer), per KV head
  *     its K tiles then its V rows: a streaming read of the prefix that also leaves it in cache
  *     for step 3 (a copy kept across steps instead was measured slower: it is cold by the next
- *     step, docs/shared_prefix_attention.md). Meanwhile every sequence's own part runs (own_item from kv_starts[b]: the prefix end for members, 0
- *     for everyone else), leaving its output in `out` and its log-sum-exp in `lse` [T, num_heads].
+ *     step, docs/shared_prefix_attention.md). Meanwhile every sequence's own part runs (own_item
+ *     from kv_starts[b]: the prefix end for members, 0 for everyone else), leaving its output in
+ *     `out` and its log-sum-exp in `lse` [T, num_heads].
  *  3. The shared part of every (group, KV head, tile of LANES query vectors), merged into `out`.
  * Group g's members are the query tokens rows[row_starts[g] .. row_starts[g + 1]); they share the
  * blocks blocks[block_starts[g] .. block_starts[g + 1]) as their first blocks. Returns 0 on
