@@ -176,3 +176,37 @@ def test_engine_shared_prompt_gives_hf_tokens_through_the_cascade_path(long_cont
     assert tokens["cpu_paged_cascade"] == tokens["cpu_paged"]
     for prompt, generated in zip(prompts, tokens["cpu_paged_cascade"]):
         assert generated == hf_greedy(str(long_context_ckpt), tuple(prompt), 4)
+
+
+def test_engine_block_reused_for_another_prefix_gives_hf_tokens(long_context_ckpt, monkeypatch):
+    """A pool of 4 blocks of 64 tokens: each round's shared 64-token prompt evicts an earlier one, so
+    the same physical block id is the shared prefix of different rounds with different content
+    (asserted); the cascade path groups each round's users over it and gives HF's tokens."""
+    import strategies.attention.cpu_paged_cascade as cascade_module
+
+    shared_blocks: list[tuple[int, ...]] = []
+    plan = cascade_module.plan_groups
+
+    def recording_plan(*args):
+        result = plan(*args)
+        shared_blocks.extend(g.blocks for g in result.groups)
+        return result
+
+    monkeypatch.setattr(cascade_module, "plan_groups", recording_plan)
+    rng = random.Random(5)
+    llm = LLM(model=str(long_context_ckpt), cache="prefix", attention="cpu_paged_cascade", device="cpu",
+              block_size=64, capacity_tokens=4 * 64)
+    first_blocks_per_round = []
+    for _ in range(4):
+        shared = [rng.randrange(3, 256) for _ in range(64)]
+        prompts = [shared + [rng.randrange(3, 256) for _ in range(5)] for _ in range(3)]
+        llm.generate(prompts[:1], SamplingParams(max_tokens=1, ignore_eos=True))  # publishes the shared block
+        shared_blocks.clear()
+        outputs = llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))
+        for prompt, output in zip(prompts, outputs):
+            assert output.token_ids == hf_greedy(str(long_context_ckpt), tuple(prompt), 4)
+        first_blocks_per_round.append(set(shared_blocks))
+    assert all(len(blocks) == 1 for blocks in first_blocks_per_round)  # one group per round
+    assert len({b for blocks in first_blocks_per_round for b in blocks}) < 4  # a block id came back
+    assert llm.attention.stats.cascade_calls > 0
+    llm.free_blocks_check()

@@ -1,6 +1,6 @@
-/* Cascade attention, the shared part, for the CPU in float32: decode queries of every sequence in a
- * group attend *together* to the prefix blocks they all share, and the result is merged into each
- * sequence's own-part output (cpu_paged's kernel run from the prefix end, with log-sum-exps).
+/* Cascade attention for a CPU decode step in float32: each sequence attends to its own keys
+ * (own_item), then the decode queries of every sequence in a group attend *together* to the prefix
+ * blocks they all share, and the two are merged through their log-sum-exps (cascade_decode_f32).
  *
  * Why a separate pass pays off on a CPU: the shared K/V is small and stays in cache, so the cost
  * is arithmetic, not memory traffic. Per-sequence attention (paged_attention.c) scores one query
@@ -14,10 +14,10 @@
  *            broadcast into LANES fused multiply-adds; LANES accumulators = a tile of dims)
  * No horizontal sums and one vector load per LANES multiply-adds. The softmax over a chunk of keys
  * is lane-wise (a vertical max and sum), online across chunks (running max m, running sum l,
- * accumulators rescaled when m grows). Each (group, KV head)'s prefix is first copied out of the
- * paged cache once per call: K transposed into key tiles, V rows side by side (pack_prefix).
+ * accumulators rescaled when m grows). Each group's prefix is first copied out of the paged cache
+ * once per call: K transposed into key tiles, V rows side by side (pack_tile).
  *
- * Work items = (group, KV head, tile of LANES query vectors) run in parallel on torch's OpenMP
+ * Shared-part work items = (group, KV head, tile of LANES query vectors) run in parallel on torch's OpenMP
  * runtime (same libgomp soname, see engine/native.py). Each item ends by merging its result into
  * `out`: with the shared part's log-sum-exp s1 = m + log l and the own part's s2 (read from
  * `lse`), out = (o1 e^{s1} + o2 e^{s2}) / (e^{s1} + e^{s2}) exactly. Every query vector belongs
@@ -51,9 +51,16 @@ static inline vf vbroadcast(float v) { return (vf){v, v, v, v, v, v, v, v}; }
 #define DIM_TILE LANES   /* output dims accumulated together in registers */
 #define KEY_CHUNK 256    /* keys per online-softmax update (a buffer of 256 score vectors) */
 #define MAX_HEAD_DIM 256
+#define MAX_OWN_VECTORS 64 /* query heads of one token in own_item */
 
 static inline vf vselect(vi mask, vf if_true, vf if_false) {
     return (vf)(((vi)if_true & mask) | ((vi)if_false & ~mask));
+}
+
+static inline vf load_vf(const float *source) {
+    vf value;
+    memcpy(&value, source, sizeof value);
+    return value;
 }
 
 static inline vf vmax(vf a, vf b) { return vselect(a > b, a, b); }
@@ -61,37 +68,80 @@ static inline vf vmax(vf a, vf b) { return vselect(a > b, a, b); }
 /* r[i][l] <- r[l][i] for a LANES x LANES block, in log2(LANES) stages: stage k swaps the
  * off-diagonal k x k sub-blocks of every 2k x 2k block (rows i and i + k, lanes taken from both
  * with one two-vector shuffle each). */
+/* The log2(LANES) shuffle stages shared by the transpose and the lane sums below: stage k pairs
+ * rows i and i + k; `low` takes k-lane runs alternately from both rows' even runs, `high` from
+ * their odd runs (indices >= LANES name the second row's lanes). */
 #define LIST(...) __VA_ARGS__
-#define STAGE(k, low, high)                                \
-    for (int i = 0; i < LANES; ++i) {                      \
-        if (i & k) continue;                               \
-        const vf a = r[i], b = r[i + k];                   \
-        r[i] = __builtin_shufflevector(a, b, LIST low);    \
-        r[i + k] = __builtin_shufflevector(a, b, LIST high); \
-    }
 #if LANES == 16
+#define FOR_EACH_STAGE(X)                                                                   \
+    X(8, (0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23),                            \
+         (8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31))                      \
+    X(4, (0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27),                          \
+         (4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31))                        \
+    X(2, (0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29),                          \
+         (2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31))                        \
+    X(1, (0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30),                         \
+         (1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31))
+#define FOR_EACH_ROTATION(X, x)                                                   \
+    X((8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7), x)                  \
+    X((4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3), x)                  \
+    X((2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1), x)                  \
+    X((1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 0), x)
 DEFINE_VECTOR_EXP(vexp, vf, vi, vselect) /* exp8's polynomial (common.h) on 16 lanes */
-
-static inline void transpose_tile(vf r[LANES]) {
-    STAGE(8, (0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23),
-             (8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31))
-    STAGE(4, (0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27),
-             (4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31))
-    STAGE(2, (0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29),
-             (2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31))
-    STAGE(1, (0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30),
-             (1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31))
-}
 #else
+#define FOR_EACH_STAGE(X)                                                 \
+    X(4, (0, 1, 2, 3, 8, 9, 10, 11), (4, 5, 6, 7, 12, 13, 14, 15))          \
+    X(2, (0, 1, 8, 9, 4, 5, 12, 13), (2, 3, 10, 11, 6, 7, 14, 15))          \
+    X(1, (0, 8, 2, 10, 4, 12, 6, 14), (1, 9, 3, 11, 5, 13, 7, 15))
+#define FOR_EACH_ROTATION(X, x)                      \
+    X((4, 5, 6, 7, 0, 1, 2, 3), x)                   \
+    X((2, 3, 4, 5, 6, 7, 0, 1), x)                   \
+    X((1, 2, 3, 4, 5, 6, 7, 0), x)
 #define vexp exp8
-
-static inline void transpose_tile(vf r[LANES]) {
-    STAGE(4, (0, 1, 2, 3, 8, 9, 10, 11), (4, 5, 6, 7, 12, 13, 14, 15))
-    STAGE(2, (0, 1, 8, 9, 4, 5, 12, 13), (2, 3, 10, 11, 6, 7, 14, 15))
-    STAGE(1, (0, 8, 2, 10, 4, 12, 6, 14), (1, 9, 3, 11, 5, 13, 7, 15))
-}
 #endif
-#undef STAGE
+
+/* r[i][l] <- r[l][i] for a LANES x LANES block: stage k swaps the off-diagonal k x k sub-blocks of
+ * every 2k x 2k block. */
+#define TRANSPOSE_STAGE(k, low, high)                          \
+    for (int i = 0; i < LANES; ++i) {                          \
+        if (i & k) continue;                                   \
+        const vf a = r[i], b = r[i + k];                       \
+        r[i] = __builtin_shufflevector(a, b, LIST low);        \
+        r[i + k] = __builtin_shufflevector(a, b, LIST high);   \
+    }
+static inline void transpose_tile(vf r[LANES]) { FOR_EACH_STAGE(TRANSPOSE_STAGE) }
+
+/* Lane j of the result = the sum of r[j]'s lanes (LANES horizontal sums at the cost of LANES - 1
+ * shuffle pairs): the transpose's stages, each adding its two halves instead of keeping both, so
+ * after stage k the rows left hold partial sums of 2k rows' lanes side by side. Clobbers r. */
+#define SUM_STAGE(k, low, high)                                                                 \
+    for (int i = 0; i < k; ++i)                                                                 \
+        r[i] = __builtin_shufflevector(r[i], r[i + k], LIST low) + __builtin_shufflevector(r[i], r[i + k], LIST high);
+static inline vf lane_sums(vf r[LANES]) {
+    FOR_EACH_STAGE(SUM_STAGE)
+    return r[0];
+}
+/* max and sum of one vector's lanes: log2(LANES) rotations by half the width, then a quarter...,
+ * each combined with the vector (dependent steps: log2(LANES), not LANES - 1) */
+#define ROTATE_AND(op, x) FOR_EACH_ROTATION(ROTATE_STEP_##op, x)
+#define ROTATE_STEP_MAX(rotation, x) x = vmax(x, __builtin_shufflevector(x, x, LIST rotation));
+#define ROTATE_STEP_SUM(rotation, x) x += __builtin_shufflevector(x, x, LIST rotation);
+static inline float lane_max(vf x) {
+    ROTATE_AND(MAX, x)
+    return x[0];
+}
+
+static inline float lane_sum(vf x) {
+    ROTATE_AND(SUM, x)
+    return x[0];
+}
+#undef ROTATE_AND
+#undef ROTATE_STEP_MAX
+#undef ROTATE_STEP_SUM
+#undef FOR_EACH_ROTATION
+#undef TRANSPOSE_STAGE
+#undef SUM_STAGE
+#undef FOR_EACH_STAGE
 #undef LIST
 
 /* scores[j] = q^T . k_j for the KEY_TILE keys of one packed tile (k_t[d * KEY_TILE + j] = k_j[d]). */
@@ -219,12 +269,102 @@ static void prefix_item(
     }
 }
 
+/* One sequence's own part, or a whole context for a sequence outside every group (first_key 0):
+ * its decode query (all num_heads vectors) over keys first_key .. context_len - 1, read in place
+ * through its block table, writing each vector's output to `out` and its log-sum-exp to `lse`.
+ * The rows are short (a few dozen keys after a shared prefix), so this path avoids per-key
+ * horizontal sums and fixed per-vector costs: a tile of LANES keys is scored as LANES vectors of
+ * per-dim partial products (LANES-wide loads of q and k), turned into one vector of LANES scores
+ * by lane_sums, so the online softmax of a tile is one vector max, one vexp and one sum. */
+static void own_item(
+    const float *query, int64_t query_token_stride, const float *k_cache, const float *v_cache,
+    const int32_t *block_table, int64_t first_key, int64_t context_len, int64_t token, int64_t num_heads,
+    int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, float *out,
+    int64_t out_token_stride, float *lse) {
+    const int64_t group = num_heads / num_kv_heads, slot_stride = num_kv_heads * head_dim;
+    const int64_t full = head_dim / LANES * LANES; /* dims covered by whole vectors; the rest one by one */
+    float q[MAX_OWN_VECTORS][MAX_HEAD_DIM], acc[MAX_OWN_VECTORS][MAX_HEAD_DIM];
+    float running_max[MAX_OWN_VECTORS], running_sum[MAX_OWN_VECTORS];
+    vi lane;
+    for (int i = 0; i < LANES; ++i) lane[i] = i;
+    for (int64_t h = 0; h < num_heads; ++h) {
+        const float *src = query + token * query_token_stride + h * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) q[h][d] = src[d] * scale, acc[h][d] = 0.0f;
+        running_max[h] = -INFINITY, running_sum[h] = 0.0f;
+    }
+    for (int64_t first = first_key; first < context_len; first += LANES) {
+        const int64_t tile_len = context_len - first < LANES ? context_len - first : LANES;
+        const float *key_rows[LANES], *value_rows[LANES];
+        /* lanes past the tile re-read its first key: a real score, so the tile's max stands; their
+         * weights are zeroed */
+        for (int64_t j = 0; j < LANES; ++j) {
+            const int64_t position = first + (j < tile_len ? j : 0);
+            const int64_t slot = (int64_t)block_table[position / block_size] * block_size + position % block_size;
+            key_rows[j] = k_cache + slot * slot_stride, value_rows[j] = v_cache + slot * slot_stride;
+        }
+        const vi valid = lane < (vi){0} + (int32_t)tile_len;
+        for (int64_t h = 0; h < num_heads; ++h) {
+            const int64_t offset = (h / group) * head_dim;
+            vf partial[LANES];
+            for (int j = 0; j < LANES; j += 4) { /* four keys at a time: four independent FMA chains */
+                vf s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
+                for (int64_t d = 0; d < full; d += LANES) {
+                    const vf qv = load_vf(q[h] + d);
+                    s0 = vfma(qv, load_vf(key_rows[j] + offset + d), s0);
+                    s1 = vfma(qv, load_vf(key_rows[j + 1] + offset + d), s1);
+                    s2 = vfma(qv, load_vf(key_rows[j + 2] + offset + d), s2);
+                    s3 = vfma(qv, load_vf(key_rows[j + 3] + offset + d), s3);
+                }
+                partial[j] = s0, partial[j + 1] = s1, partial[j + 2] = s2, partial[j + 3] = s3;
+            }
+            vf scores = lane_sums(partial);
+            if (full < head_dim)
+                for (int j = 0; j < LANES; ++j) scores[j] += dot(q[h] + full, key_rows[j] + offset + full, head_dim - full);
+            const float tile_max = lane_max(scores);
+            const float new_max = tile_max > running_max[h] ? tile_max : running_max[h];
+            const float correction = expf(running_max[h] - new_max); /* 0 on the first tile */
+            const vf weights = vselect(valid, vexp(scores - new_max), (vf){0});
+            running_sum[h] = running_sum[h] * correction + lane_sum(weights);
+            running_max[h] = new_max;
+            /* acc = acc * correction + sum_j weights[j] v_j, LANES dims at a time in a register */
+            float *a = acc[h];
+            int64_t d = 0;
+            for (; d + 2 * LANES <= full; d += 2 * LANES) { /* two independent chains */
+                vf sum0 = load_vf(a + d) * correction, sum1 = load_vf(a + d + LANES) * correction;
+                for (int64_t j = 0; j < tile_len; ++j) {
+                    const vf p = vbroadcast(weights[j]);
+                    sum0 = vfma(p, load_vf(value_rows[j] + offset + d), sum0);
+                    sum1 = vfma(p, load_vf(value_rows[j] + offset + d + LANES), sum1);
+                }
+                memcpy(a + d, &sum0, sizeof sum0), memcpy(a + d + LANES, &sum1, sizeof sum1);
+            }
+            for (; d < full; d += LANES) {
+                vf sum = load_vf(a + d) * correction;
+                for (int64_t j = 0; j < tile_len; ++j)
+                    sum = vfma(vbroadcast(weights[j]), load_vf(value_rows[j] + offset + d), sum);
+                memcpy(a + d, &sum, sizeof sum);
+            }
+            for (int64_t d = full; d < head_dim; ++d) {
+                float sum = a[d] * correction;
+                for (int64_t j = 0; j < tile_len; ++j) sum += weights[j] * value_rows[j][offset + d];
+                a[d] = sum;
+            }
+        }
+    }
+    for (int64_t h = 0; h < num_heads; ++h) {
+        float *dst = out + token * out_token_stride + h * head_dim;
+        const float inverse = 1.0f / running_sum[h];
+        for (int64_t d = 0; d < head_dim; ++d) dst[d] = acc[h][d] * inverse;
+        lse[token * num_heads + h] = running_max[h] + logf(running_sum[h]);
+    }
+}
+
 /* Floats of one group's packed prefix: K and V of every KV head, keys padded to whole tiles. */
 static int64_t packed_floats(int64_t num_keys, int64_t num_kv_heads, int64_t head_dim) {
     return num_kv_heads * 2 * ((num_keys + KEY_TILE - 1) / KEY_TILE * KEY_TILE) * head_dim;
 }
 
-/* The workspace cascade_prefix_attention_f32 needs for these groups, in floats. */
+/* The workspace cascade_decode_f32 needs for these groups, in floats. */
 int64_t cascade_workspace_floats(int64_t num_groups, const int64_t *block_starts, int64_t num_kv_heads,
                                  int64_t head_dim, int64_t block_size) {
     int64_t total = 0;
@@ -233,28 +373,35 @@ int64_t cascade_workspace_floats(int64_t num_groups, const int64_t *block_starts
     return total;
 }
 
-/* Group g's members are the query tokens rows[row_starts[g] .. row_starts[g + 1]) (one decode token
- * each); they share the blocks blocks[block_starts[g] .. block_starts[g + 1]) as their first
- * blocks. `out` [T, num_heads, head_dim] (token stride out_token_stride) holds each member's own-part
- * output and `lse` [T, num_heads] its log-sum-exp; both parts are merged into `out`. `workspace`
- * (cascade_workspace_floats floats, owned by the caller so that it is not allocated and faulted
- * in again in every layer) receives the packed prefixes. Two phases in one parallel region: pack
- * the groups' prefixes tile by tile, then the items. Returns 0 on success, 1 if head_dim exceeds
- * MAX_HEAD_DIM or the heads do not group, 2 if the work list could not be allocated, 3 if the
- * workspace is too small. */
-int cascade_prefix_attention_f32(
-    const float *query, int64_t query_token_stride, const float *k_cache, const float *v_cache,
+/* A whole decode step of one layer (one query token per sequence: token b = sequence b).
+ *  1. The new K/V rows (num_kv_heads * head_dim floats, new_token_stride apart) are written into
+ *     their cache slots (slot_mapping), as paged_attention_f32 does.
+ *  2. Every group's prefix is packed into `workspace` (cascade_workspace_floats floats, owned by
+ *     the caller so that it is not allocated and faulted in again in every layer), per KV head
+ *     its K tiles then its V rows: a streaming read of the prefix that also leaves it in cache
+ *     for step 3 (a copy kept across steps instead was measured slower: it is cold by the next
+ *     step, docs/shared_prefix_attention.md). Meanwhile every sequence's own part runs (own_item
+ *     from kv_starts[b]: the prefix end for members, 0 for everyone else), leaving its output in
+ *     `out` and its log-sum-exp in `lse` [T, num_heads].
+ *  3. The shared part of every (group, KV head, tile of LANES query vectors), merged into `out`.
+ * Group g's members are the query tokens rows[row_starts[g] .. row_starts[g + 1]); they share the
+ * blocks blocks[block_starts[g] .. block_starts[g + 1]) as their first blocks. Returns 0 on
+ * success, 1 if head_dim exceeds MAX_HEAD_DIM, num_heads MAX_OWN_VECTORS or the heads do not
+ * group, 2 if the work list could not be allocated, 3 if the workspace is too small. */
+int cascade_decode_f32(
+    const float *query, int64_t query_token_stride, const float *new_keys, const float *new_values,
+    int64_t new_token_stride, const int64_t *slot_mapping, int64_t num_tokens, float *k_cache, float *v_cache,
+    const int32_t *block_tables, int64_t block_table_stride, const int32_t *context_lens, const int32_t *kv_starts,
     int64_t num_groups, const int64_t *row_starts, const int32_t *rows, const int64_t *block_starts,
     const int32_t *blocks, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-    float scale, float *out, int64_t out_token_stride, const float *lse, float *workspace,
-    int64_t workspace_floats) {
-    if (head_dim > MAX_HEAD_DIM || num_heads % num_kv_heads != 0) return 1;
+    float scale, float *out, int64_t out_token_stride, float *lse, float *workspace, int64_t workspace_floats) {
+    if (head_dim > MAX_HEAD_DIM || num_heads > MAX_OWN_VECTORS || num_heads % num_kv_heads != 0) return 1;
     if (workspace_floats < cascade_workspace_floats(num_groups, block_starts, num_kv_heads, head_dim, block_size))
         return 3;
-    const int64_t group = num_heads / num_kv_heads;
-    /* item_starts[g]: first work item of group g (num_kv_heads x tiles of its query vectors);
+    const int64_t group = num_heads / num_kv_heads, slot_floats = num_kv_heads * head_dim;
+    /* item_starts[g]: first shared-part item of group g (num_kv_heads x tiles of its query vectors);
      * tile_starts[g]: first key tile of group g (the packing units);
-     * packed_starts[g]: its packed prefix in the workspace, per KV head its K tiles, then its V */
+     * packed_starts[g]: its packed prefix in the workspace */
     int64_t *item_starts = malloc(sizeof(int64_t) * 3 * (num_groups + 1));
     if (item_starts == NULL) return 2;
     int64_t *tile_starts = item_starts + num_groups + 1, *packed_starts = tile_starts + num_groups + 1;
@@ -266,11 +413,16 @@ int cascade_prefix_attention_f32(
         tile_starts[g + 1] = tile_starts[g] + (keys + KEY_TILE - 1) / KEY_TILE;
         packed_starts[g + 1] = packed_starts[g] + packed_floats(keys, num_kv_heads, head_dim);
     }
-    const int64_t num_items = item_starts[num_groups];
+    const int64_t num_items = item_starts[num_groups], num_units = tile_starts[num_groups];
 #pragma omp parallel
     {
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t unit = 0; unit < tile_starts[num_groups]; ++unit) {
+#pragma omp for
+        for (int64_t t = 0; t < num_tokens; ++t) {
+            memcpy(k_cache + slot_mapping[t] * slot_floats, new_keys + t * new_token_stride, sizeof(float) * slot_floats);
+            memcpy(v_cache + slot_mapping[t] * slot_floats, new_values + t * new_token_stride, sizeof(float) * slot_floats);
+        }
+#pragma omp for schedule(dynamic, 1) nowait
+        for (int64_t unit = 0; unit < num_units; ++unit) { /* packing and own parts overlap */
             int64_t g = 0;
             while (tile_starts[g + 1] <= unit) ++g;
             const int64_t half = (packed_starts[g + 1] - packed_starts[g]) / num_kv_heads / 2;
@@ -278,6 +430,11 @@ int cascade_prefix_attention_f32(
                       (unit - tile_starts[g]) * KEY_TILE, num_kv_heads, head_dim, block_size,
                       workspace + packed_starts[g], half);
         }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t b = 0; b < num_tokens; ++b)
+            own_item(query, query_token_stride, k_cache, v_cache, block_tables + b * block_table_stride,
+                     kv_starts[b], context_lens[b], b, num_heads, num_kv_heads, head_dim, block_size, scale, out,
+                     out_token_stride, lse);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < num_items; ++item) {
             int64_t g = 0;

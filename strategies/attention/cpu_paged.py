@@ -83,6 +83,28 @@ class CpuPagedBackend:
         """Attention of ``query [T, Hq, D]`` over each sequence's context -> ``[T, Hq, D]``."""
         return self.attend(query, key, value, k_cache, v_cache, metadata, scale)
 
+    def checked_inputs(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``query``, ``key``, ``value`` as the C kernels read them (each token's heads contiguous, K and V
+        rows the same stride apart), after checking dtype, device, sizes and the caches' layout."""
+        hint = " (use torch_sdpa, or triton_paged on CUDA)"
+        native.require_cpu_float32(query, f"attention={self.name}", "the query", hint)
+        native.require_cpu_float32(k_cache, f"attention={self.name}", "the KV cache", hint)
+        num_heads, head_dim = query.shape[1:]
+        if head_dim > _MAX_HEAD_DIM or num_heads > _MAX_HEADS:
+            raise ValueError(
+                f"{self.name} supports head_dim <= {_MAX_HEAD_DIM} and num_heads <= {_MAX_HEADS}; "
+                f"got head_dim {head_dim}, num_heads {num_heads}"
+            )
+        # q/k/v usually arrive as strided views of the fused qkv output: no copy needed.
+        query, key, value = _token_rows(query), _token_rows(key), _token_rows(value)
+        if key.stride(0) != value.stride(0):
+            key, value = key.contiguous(), value.contiguous()
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+            raise ValueError(f"{self.name}: the KV caches must be contiguous tensors")
+        return query, key, value
+
     def attend(
         self,
         query: torch.Tensor,
@@ -98,22 +120,9 @@ class CpuPagedBackend:
         """Write the new K/V, then attend; sequence ``b`` sees keys from ``kv_starts[b]`` (int32
         ``[B]``; all keys if ``None``) and, if ``lse`` (float32 ``[T, Hq]``) is given, each query
         vector's log-sum-exp of its scaled scores is written there (see ``cpu_paged_cascade``)."""
-        hint = " (use torch_sdpa, or triton_paged on CUDA)"
-        native.require_cpu_float32(query, f"attention={self.name}", "the query", hint)
-        native.require_cpu_float32(k_cache, f"attention={self.name}", "the KV cache", hint)
+        query, key, value = self.checked_inputs(query, key, value, k_cache, v_cache)
         num_tokens, num_heads, head_dim = query.shape
         num_kv_heads = k_cache.shape[2]
-        if head_dim > _MAX_HEAD_DIM or num_heads > _MAX_HEADS:
-            raise ValueError(
-                f"{self.name} supports head_dim <= {_MAX_HEAD_DIM} and num_heads <= {_MAX_HEADS}; "
-                f"got head_dim {head_dim}, num_heads {num_heads}"
-            )
-        # q/k/v usually arrive as strided views of the fused qkv output: no copy needed.
-        query, key, value = _token_rows(query), _token_rows(key), _token_rows(value)
-        if key.stride(0) != value.stride(0):
-            key, value = key.contiguous(), value.contiguous()
-        if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-            raise ValueError(f"{self.name}: the KV caches must be contiguous tensors")
         slot_mapping, block_tables, context_lens, query_start_loc = metadata.cached(
             "cpu_paged.ints", lambda: _kernel_ints(metadata)
         )

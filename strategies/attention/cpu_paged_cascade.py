@@ -6,17 +6,24 @@ blocks once per user: 30 users x 500 shared tokens = 15,000 key rows per layer, 
 500. Cascade (two-level) attention, as in FlashInfer's cascade kernels and SGLang's
 RadixAttention, splits each query's keys into the shared prefix and its own suffix:
 
-1. **own part, per sequence**: ``cpu_paged``'s C kernel over keys ``prefix .. end`` only (it
-   takes per-sequence key starts), returning each query vector's log-sum-exp with its output;
+1. **own part, per sequence**: its keys from the prefix end on (a few dozen in decode), read in
+   place through its block table, with each query vector's log-sum-exp kept for the merge; a
+   tile of 16 (8) keys is scored as 16 vectors of per-dim partial products and lane-summed into
+   one vector of scores, so short rows cost little per row (sequences outside every group take
+   the same path over their whole context);
 2. **shared part, once per group, merged in place** (``csrc/cascade_attention.c``): the queries
    of all members x query heads of one KV head fill the lanes of a vector (16 with AVX-512, 8
    with AVX2) and attend to the prefix keys together, as two register-tiled matrix products
    (scores, then values) instead of one thin dot product per user and key — on a CPU the same
-   multiply-adds, but without horizontal sums and with one load per lane count of them. Both parts are softmax-normalised over
+   multiply-adds, but without horizontal sums and with one load per lane count of them. The
+   prefix is first copied out of the paged cache (K transposed into key tiles, V rows side by
+   side) in every layer of every step: that streaming read also brings it into cache for the
+   products (a copy kept across steps was measured slower). Both parts are softmax-normalised over
    their own keys; with their log-sum-exps ``s1``, ``s2`` the exact result is
    ``(o1 e^{s1} + o2 e^{s2}) / (e^{s1} + e^{s2})``, which the kernel writes over the own part.
 
-So each layer costs two C calls and no tensor op in Python. The grouping is built once per step
+So a decode step with groups costs one C call per layer (it also writes the step's new K/V) and no
+tensor op in Python. The grouping is built once per step
 (:func:`plan_groups`, cached on the attention metadata for all layers) from the step's block
 tables, no engine help needed: decode sequences whose first block is the same physical block
 share a prefix; the shared length is the run of equal leading blocks common to all members,
@@ -36,18 +43,20 @@ import torch
 
 from engine import native
 from engine.attention_metadata import AttentionMetadata
-from strategies.attention.cpu_paged import CpuPagedBackend, _token_rows
+from strategies.attention.cpu_paged import CpuPagedBackend, _kernel_ints
 
 
 _POINTER, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 
 def _kernel():
-    return native.function("cascade_attention", "cascade_prefix_attention_f32", [
-        _POINTER, _I64, _POINTER, _POINTER,  # query, its token stride, k_cache, v_cache
+    return native.function("cascade_attention", "cascade_decode_f32", [
+        _POINTER, _I64, _POINTER, _POINTER, _I64,  # query, its token stride, new keys, new values, their token stride
+        _POINTER, _I64, _POINTER, _POINTER,  # slot_mapping, num_tokens, k_cache, v_cache
+        _POINTER, _I64, _POINTER, _POINTER,  # block_tables, its row stride, context_lens, kv_starts
         _I64, _POINTER, _POINTER, _POINTER, _POINTER,  # num_groups, row_starts, rows, block_starts, blocks
         _I64, _I64, _I64, _I64,  # num_heads, num_kv_heads, head_dim, block_size
-        ctypes.c_float, _POINTER, _I64, _POINTER,  # scale, out (own part in, merged out), its token stride, lse
+        ctypes.c_float, _POINTER, _I64, _POINTER,  # scale, out, its token stride, lse scratch
         _POINTER, _I64,  # workspace, its size in floats
     ], ctypes.c_int)
 
@@ -62,7 +71,7 @@ class PrefixGroup:
     """Decode rows (= sequence and token indices) holding the physical blocks ``blocks`` as their first blocks."""
 
     rows: list[int]
-    blocks: list[int]
+    blocks: tuple[int, ...]
     num_tokens: int
 
     @property
@@ -120,7 +129,7 @@ def plan_groups(metadata: AttentionMetadata, min_group_size: int, min_shared_tok
             continue
         for row in rows:
             kv_starts[row] = common * block_size
-        groups.append(PrefixGroup(rows, leader[:common], common * block_size))
+        groups.append(PrefixGroup(rows, tuple(leader[:common]), common * block_size))
     return CascadePlan(
         groups, torch.tensor(kv_starts, dtype=torch.int32),
         _offsets([g.num_rows for g in groups]), torch.tensor([r for g in groups for r in g.rows], dtype=torch.int32),
@@ -169,11 +178,10 @@ class CpuPagedCascadeBackend(CpuPagedBackend):
         )
         if not plan.groups:
             return self.attend(query, key, value, k_cache, v_cache, metadata, scale)
+        query, key, value = self.checked_inputs(query, key, value, k_cache, v_cache)
         num_tokens, num_heads, head_dim = query.shape
-        lse = torch.empty(num_tokens, num_heads, dtype=torch.float32)
-        out = self.attend(query, key, value, k_cache, v_cache, metadata, scale, kv_starts=plan.kv_starts, lse=lse)
-        query = _token_rows(query)
         num_kv_heads = k_cache.shape[2]
+        slot_mapping, block_tables, context_lens, _ = metadata.cached("cpu_paged.ints", lambda: _kernel_ints(metadata))
         needed = metadata.cached(
             ("cpu_paged_cascade.workspace", self.min_group_size, self.min_shared_tokens, num_kv_heads, head_dim),
             lambda: self._workspace_size(len(plan.groups), plan.block_starts.data_ptr(), num_kv_heads, head_dim,
@@ -181,15 +189,19 @@ class CpuPagedCascadeBackend(CpuPagedBackend):
         )
         if self._workspace.numel() < needed:
             self._workspace = torch.empty(needed)
+        out = torch.empty(num_tokens, num_heads, head_dim, dtype=query.dtype)
+        lse = torch.empty(num_tokens, num_heads, dtype=torch.float32)
         status = self._cascade(
-            query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+            query.data_ptr(), query.stride(0), key.data_ptr(), value.data_ptr(), key.stride(0),
+            slot_mapping.data_ptr(), num_tokens, k_cache.data_ptr(), v_cache.data_ptr(),
+            block_tables.data_ptr(), block_tables.stride(0), context_lens.data_ptr(), plan.kv_starts.data_ptr(),
             len(plan.groups), plan.row_starts.data_ptr(), plan.rows.data_ptr(),
             plan.block_starts.data_ptr(), plan.blocks.data_ptr(),
             num_heads, num_kv_heads, head_dim, metadata.block_size, scale, out.data_ptr(), out.stride(0),
             lse.data_ptr(), self._workspace.data_ptr(), self._workspace.numel(),
         )
         if status != 0:
-            raise RuntimeError(f"{self.name} shared-prefix kernel failed with status {status}")
+            raise RuntimeError(f"{self.name} kernel failed with status {status}")
         self.stats.cascade_calls += 1
         self.stats.groups += len(plan.groups)
         self.stats.shared_rows_saved += sum((g.num_rows - 1) * g.num_tokens for g in plan.groups)
