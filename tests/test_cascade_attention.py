@@ -18,7 +18,6 @@ from hypothesis import strategies as st
 from engine import LLM, SamplingParams
 from engine.attention_metadata import AttentionMetadata
 from hf_reference import hf_greedy
-from strategies.attention.cpu_paged import CpuPagedBackend
 from strategies.attention.cpu_paged_cascade import CpuPagedCascadeBackend, plan_groups
 from test_attention_backends import Step, check_backend
 
@@ -128,25 +127,6 @@ def test_mixed_steps_and_small_groups_take_the_plain_path():
 )
 def test_cascade_random_shapes(groups, block_size, heads):
     check_backend(CpuPagedCascadeBackend(min_shared_tokens=1), shared_prefix_step(groups, block_size, *heads, head_dim=8))
-
-
-def test_partial_kernel_attends_from_key_start_and_reports_lse():
-    step = shared_prefix_step([(3, [2, 5])], 4, 4, 2, head_dim=8)
-    md = step.metadata
-    kv_starts = torch.tensor([5, 12], dtype=torch.int32)
-    lse = torch.empty(2, 4)
-    out = CpuPagedBackend().attend(step.query, step.key, step.value, step.k_cache, step.v_cache, md, step.scale,
-                                   kv_starts=kv_starts, lse=lse)
-    k_flat = step.k_cache.view(-1, 2, 8)
-    v_flat = step.v_cache.view(-1, 2, 8)
-    for i in range(2):
-        table, context = md.block_tables[i].tolist(), int(md.context_lens[i])
-        slots = [table[t // 4] * 4 + t % 4 for t in range(int(kv_starts[i]), context)]
-        for h in range(4):
-            scores = k_flat[slots, h // 2].double() @ step.query[i, h].double() * step.scale
-            torch.testing.assert_close(lse[i, h].double(), torch.logsumexp(scores, 0), atol=1e-5, rtol=1e-5)
-            expected = torch.softmax(scores, 0) @ v_flat[slots, h // 2].double()
-            torch.testing.assert_close(out[i, h].double(), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_bad_options():

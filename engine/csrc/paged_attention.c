@@ -25,9 +25,9 @@
 
 static void attend_item(
     const float *query, int64_t query_token_stride, const float *k_cache, const float *v_cache,
-    const int32_t *block_table, int64_t kv_start, int64_t context_len, int64_t query_len, int64_t first_row,
+    const int32_t *block_table, int64_t context_len, int64_t query_len, int64_t first_row,
     int64_t num_rows, int64_t query_start, int64_t num_heads, int64_t num_kv_heads,
-    int64_t head_dim, int64_t block_size, float scale, float *out, int64_t out_token_stride, float *lse) {
+    int64_t head_dim, int64_t block_size, float scale, float *out, int64_t out_token_stride) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t num_vectors = num_rows * num_heads;
     float q[MAX_VECTORS][MAX_HEAD_DIM];
@@ -52,7 +52,7 @@ static void attend_item(
         }
     }
     const int64_t keys = last_key[num_vectors - 1] + 1; /* the chunk's last token sees the most */
-    for (int64_t tile_start = kv_start; tile_start < keys; tile_start += KEY_TILE) {
+    for (int64_t tile_start = 0; tile_start < keys; tile_start += KEY_TILE) {
         const int64_t tile_len = keys - tile_start < KEY_TILE ? keys - tile_start : KEY_TILE;
         const float *key_rows[KEY_TILE], *value_rows[KEY_TILE];
         for (int64_t j = 0; j < tile_len; ++j) {
@@ -67,8 +67,7 @@ static void attend_item(
          * the value loop below asks for the tile after next, one key per value row, so the
          * requests trickle out while this tile computes instead of flooding the load queue in
          * one burst (1.4-1.5x faster per call than one burst per tile: docs/performance.md, 10). */
-        const int64_t next_end = tile_start != kv_start ? 0
-                                 : keys - tile_start - KEY_TILE < KEY_TILE ? keys - tile_start - KEY_TILE : KEY_TILE;
+        const int64_t next_end = tile_start != 0 ? 0 : keys - KEY_TILE < KEY_TILE ? keys - KEY_TILE : KEY_TILE;
         for (int64_t j = 0; j < next_end; ++j) {
             const int64_t position = tile_start + KEY_TILE + j;
             const int64_t slot = (int64_t)block_table[position / block_size] * block_size + position % block_size;
@@ -139,17 +138,13 @@ static void attend_item(
             float *dst = out + token * out_token_stride + h * head_dim;
             const float inverse = 1.0f / running_sum[v];
             for (int64_t d = 0; d < head_dim; ++d) dst[d] = acc[v][d] * inverse;
-            if (lse != NULL) lse[token * num_heads + h] = running_max[v] + logf(running_sum[v]);
         }
     }
 }
 
 /* Writes the new K/V (rows of num_kv_heads * head_dim floats, `new_token_stride` apart) into the
- * caches at `slot_mapping`, then attends. Sequence b attends to key positions
- * kv_starts[b] .. (causal end) — all of them when kv_starts is NULL — and, when lse is not
- * NULL, also writes each query vector's log-sum-exp of its (scaled) scores, lse[token * num_heads
- * + head]: the partial softmax state a caller needs to merge this result with attention over
- * the keys before kv_starts[b] (cascade attention). Returns 0 on success, 1 if head_dim or
+ * caches at `slot_mapping`, then attends: each query row to its sequence's keys up to its causal
+ * end. Returns 0 on success, 1 if head_dim or
  * num_heads exceeds the kernel's fixed buffers, 2 if the work list could not be allocated. */
 int paged_attention_f32(
     const float *query, int64_t query_token_stride, const float *new_keys, const float *new_values,
@@ -157,7 +152,7 @@ int paged_attention_f32(
     float *v_cache, const int32_t *block_tables, int64_t block_table_stride,
     const int32_t *context_lens, const int32_t *query_start_loc, int64_t num_seqs,
     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
-    float *out, int64_t out_token_stride, const int32_t *kv_starts, float *lse) {
+    float *out, int64_t out_token_stride) {
     if (head_dim > MAX_HEAD_DIM || num_heads > MAX_VECTORS || num_heads % num_kv_heads != 0) return 1;
     const int64_t slot_floats = num_kv_heads * head_dim;
 #pragma omp parallel for if (num_tokens >= 256)
@@ -188,9 +183,9 @@ int paged_attention_f32(
         const int64_t first_row = chunk * rows_per_item;
         const int64_t num_rows = query_len - first_row < rows_per_item ? query_len - first_row : rows_per_item;
         attend_item(query, query_token_stride, k_cache, v_cache, block_tables + b * block_table_stride,
-                    kv_starts == NULL ? 0 : kv_starts[b], context_lens[b], query_len, first_row, num_rows,
+                    context_lens[b], query_len, first_row, num_rows,
                     query_start_loc[b], num_heads, num_kv_heads, head_dim, block_size, scale, out,
-                    out_token_stride, lse);
+                    out_token_stride);
     }
     free(item_starts);
     return 0;

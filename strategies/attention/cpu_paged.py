@@ -40,7 +40,6 @@ def _kernel():
         pointer, i64, pointer, pointer,  # block_tables, its row stride, context_lens, query_start_loc
         i64, i64, i64, i64, i64,  # num_seqs, num_heads, num_kv_heads, head_dim, block_size
         ctypes.c_float, pointer, i64,  # scale, out, out token stride
-        pointer, pointer,  # kv_starts (NULL: 0), lse output (NULL: not written); for cascade attention
     ], ctypes.c_int)
 
 
@@ -114,12 +113,8 @@ class CpuPagedBackend:
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
-        kv_starts: torch.Tensor | None = None,
-        lse: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Write the new K/V, then attend; sequence ``b`` sees keys from ``kv_starts[b]`` (int32
-        ``[B]``; all keys if ``None``) and, if ``lse`` (float32 ``[T, Hq]``) is given, each query
-        vector's log-sum-exp of its scaled scores is written there (see ``cpu_paged_cascade``)."""
+        """Write the new K/V, then attend (each query row to its sequence's keys up to its causal end)."""
         query, key, value = self.checked_inputs(query, key, value, k_cache, v_cache)
         num_tokens, num_heads, head_dim = query.shape
         num_kv_heads = k_cache.shape[2]
@@ -133,7 +128,6 @@ class CpuPagedBackend:
             block_tables.data_ptr(), block_tables.stride(0), context_lens.data_ptr(), query_start_loc.data_ptr(),
             metadata.num_seqs, num_heads, num_kv_heads, head_dim, metadata.block_size,
             scale, out.data_ptr(), out.stride(0),
-            None if kv_starts is None else kv_starts.data_ptr(), None if lse is None else lse.data_ptr(),
         )
         if status != 0:
             raise RuntimeError(f"{self.name} kernel failed with status {status}")
