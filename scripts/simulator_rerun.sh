@@ -15,7 +15,7 @@ CAL=$OUT/simulator_calibration/smollm2-burst-c16-p512-$TAG
 SPEED=$OUT/simulator_speed-$TAG
 export OMP_NUM_THREADS=1
 mkdir -p "$SPEED"
-log() { echo "$1: $(date -u '+%F %T') UTC, $(nproc) CPU cores, load average $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$SPEED/MACHINE.txt"; }
+log() { echo "$1: $(date -u '+%F %T') UTC, $(nproc --all) CPU cores, load average $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$SPEED/MACHINE.txt"; }
 
 log "calibration run"
 $PY run.py model=smollm2-135m workload=burst workload.concurrency=16 workload.max_prompt_len=512 \
