@@ -338,7 +338,7 @@ class LLM:
             return outputs + self.fail_step(plan, error)
         now = self.clock()
 
-        shape = StepShape.of(plan.scheduled)
+        shape = StepShape.of(plan.scheduled, self.runner.min_decode_run)
         for item in plan.scheduled:
             if not item.is_padding:
                 item.seq.num_computed_tokens += item.num_new_tokens
@@ -443,6 +443,7 @@ class LLM:
                 num_sampled=shape.num_sampled,
                 context_tokens=shape.context_tokens,
                 prefill_attention_pairs=shape.prefill_attention_pairs,
+                padded_attention_pairs=shape.padded_attention_pairs,
             )
         )
 

@@ -90,6 +90,8 @@ class StepRecord:
         context_tokens: keys read by attention, summed over the step's sequences (KV read).
         prefill_attention_pairs: causal query-key pairs of the step's prompt / chunk rows (the quadratic prefill term);
             see :mod:`engine.step_shape`. ``None`` where an engine does not know them (peers).
+        padded_attention_pairs: query-key pairs a dense (padded, masked) attention kernel computes for
+            the step's prompt / chunk rows (:func:`engine.step_shape.padded_pairs`); ``None`` for peers.
     """
 
     step: int
@@ -116,3 +118,4 @@ class StepRecord:
     num_sampled: int | None = None
     context_tokens: int | None = None
     prefill_attention_pairs: int | None = None
+    padded_attention_pairs: int | None = None

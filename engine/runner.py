@@ -22,6 +22,7 @@ from engine.attention_metadata import AttentionMetadata
 from engine.interfaces.attention import AttentionBackend
 from engine.interfaces.cache import KVCacheStrategy
 from engine.interfaces.scheduler import ScheduledSequence
+from engine.step_shape import MIN_DECODE_RUN, attention_runs
 
 
 @dataclass
@@ -58,7 +59,7 @@ class ModelRunner:
         self.device = device
         self._aranges = torch.arange(1024, dtype=torch.int64)
         self.graphs = None  # engine.cuda_graphs.DecodeGraphs when LLM(cuda_graphs=True) on CUDA
-        self.min_decode_run: int | None = 2  # split mixed steps with a run of >= this many decodes; None: never
+        self.min_decode_run: int | None = MIN_DECODE_RUN  # split mixed steps with a run of >= this many decodes; None: never
 
     def prepare(self, scheduled: list[ScheduledSequence]) -> StepInputs:
         """Flatten one step. Python touches each sequence once (its token ids, start and block
@@ -144,17 +145,11 @@ class ModelRunner:
         the longest prompt (31 decodes + one 124-token prompt, SmolLM2-135M on 2 CPU cores: 1130 ms
         -> 581 ms per step; docs/performance.md).
         Returns ``None`` when splitting does not pay (a single run, or runs shorter than
-        ``min_decode_run`` decode sequences).
+        ``min_decode_run`` decode sequences): the rule is :func:`engine.step_shape.attention_runs`,
+        which the step shape also uses to count the padded attention pairs.
         """
-        if self.min_decode_run is None:
-            return None
-        runs: list[tuple[int, int]] = []
-        first = 0
-        for index in range(1, len(query_lens) + 1):
-            if index == len(query_lens) or (query_lens[index] == 1) != (query_lens[first] == 1):
-                runs.append((first, index))
-                first = index
-        if len(runs) == 1 or max((e - s for s, e in runs if query_lens[s] == 1), default=0) < self.min_decode_run:
+        runs = attention_runs(query_lens, self.min_decode_run)
+        if len(runs) == 1:
             return None
         parts = []
         row = 0

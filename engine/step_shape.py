@@ -15,6 +15,16 @@ prices the very same shape (``simulator/cost_model.py``):
   single-row step of a sequence (decode) reads its context once: that is the context term, and
   it is left out here so the two kinds of attention (compute-bound prefill, memory-bound decode)
   stay separate terms of the cost.
+* padded attention pairs: the query-key pairs a *dense* attention kernel computes. Gather
+  backends (``torch_sdpa``, ``eager``) pad each attention call's sequences to its longest query
+  and longest context and run one masked dense attention over ``n x max_query x max_context``
+  (the mask hides pairs, it does not skip them), so a prompt of ``q`` rows costs ``q * q`` pairs,
+  not ``q (q + 1) / 2``, and eight ragged prompts cost eight times the longest one's square. The
+  runner attends a mixed step's runs of decode and prefill sequences separately
+  (:func:`attention_runs`): decode runs add nothing here (their keys are the context term),
+  each run with a prompt or chunk adds its rectangle. Fused kernels (vLLM's paged attention,
+  FlashAttention, ``triton_paged``) compute the causal pairs instead; the cost model uses the
+  pairs its hardware says the kernel computes (``Hardware.attention_pairs``).
 
 Computed before the step updates ``num_computed_tokens``.
 """
@@ -24,6 +34,41 @@ from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 
 from engine.interfaces.scheduler import ScheduledSequence
+
+#: the runner attends a mixed step per run of sequences when it has a run of at least this many
+#: decodes (``ModelRunner.min_decode_run``; ``None``: one call for the whole step)
+MIN_DECODE_RUN = 2
+
+
+def attention_runs(query_lens: SequenceOf[int], min_decode_run: int | None = MIN_DECODE_RUN) -> list[tuple[int, int]]:
+    """``(start, end)`` index ranges of the step's sequences that share one attention call.
+
+    Consecutive sequences of one kind (single-row decodes, or prompts / chunks) form a run; a
+    mixed step is attended per run when a decode run has at least ``min_decode_run`` sequences
+    (keeping decodes off the padded path pays then), otherwise in one call over all sequences.
+    """
+    runs: list[tuple[int, int]] = []
+    first = 0
+    for index in range(1, len(query_lens) + 1):
+        if index == len(query_lens) or (query_lens[index] == 1) != (query_lens[first] == 1):
+            runs.append((first, index))
+            first = index
+    longest_decode_run = max((end - start for start, end in runs if query_lens[start] == 1), default=0)
+    if min_decode_run is None or len(runs) <= 1 or longest_decode_run < min_decode_run:
+        return [(0, len(query_lens))]
+    return runs
+
+
+def padded_pairs(query_lens: SequenceOf[int], context_lens: SequenceOf[int],
+                 min_decode_run: int | None = MIN_DECODE_RUN) -> int:
+    """Query-key pairs dense attention computes: ``n * max query * max context`` per call with
+    more than one query row (decode-only calls read their context: the context term)."""
+    pairs = 0
+    for start, end in attention_runs(query_lens, min_decode_run):
+        longest_query = max(query_lens[start:end])
+        if longest_query > 1:
+            pairs += (end - start) * longest_query * max(context_lens[start:end])
+    return pairs
 
 
 @dataclass(frozen=True)
@@ -38,6 +83,8 @@ class StepShape:
         num_sampled: rows whose logits are needed (a sequence's last uncomputed token).
         context_tokens: keys read by attention, summed over sequences.
         prefill_attention_pairs: causal query-key pairs of sequences computing > 1 row this step.
+        padded_attention_pairs: query-key pairs a dense (padded, masked) attention kernel
+            computes for the step's calls with more than one query row (:func:`padded_pairs`).
     """
 
     num_seqs: int
@@ -47,6 +94,7 @@ class StepShape:
     num_sampled: int
     context_tokens: int
     prefill_attention_pairs: int
+    padded_attention_pairs: int = 0
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -54,8 +102,9 @@ class StepShape:
         return self.num_rows - self.num_decode_tokens - self.num_wasted_slots
 
     @classmethod
-    def of(cls, scheduled: SequenceOf[ScheduledSequence]) -> "StepShape":
+    def of(cls, scheduled: SequenceOf[ScheduledSequence], min_decode_run: int | None = MIN_DECODE_RUN) -> "StepShape":
         rows = decode = wasted = sampled = context = pairs = 0
+        query_lens, ends = [], []
         for item in scheduled:  # runs every step: plain attribute reads, no Sequence properties
             seq, num_new, padding = item.seq, item.num_new_tokens, item.is_padding
             num_tokens = len(seq.token_ids)
@@ -70,6 +119,9 @@ class StepShape:
             if end == num_tokens:
                 sampled += 1
             context += end
+            query_lens.append(num_new)
+            ends.append(end)
             if num_new > 1:
                 pairs += num_new * start + num_new * (num_new + 1) // 2
-        return cls(len(scheduled), rows, decode, wasted, sampled, context, pairs)
+        padded = padded_pairs(query_lens, ends, min_decode_run) if pairs else 0  # decode-only: no rectangle
+        return cls(len(scheduled), rows, decode, wasted, sampled, context, pairs, padded)

@@ -10,6 +10,11 @@ once. Too few steps, or a fit that explains too little (R^2 under ``--min-r2``),
 nothing is written. Steps slowed by other processes on a shared machine (over 1.5x the fit) are
 set aside and counted; if more than a quarter are, nothing is written. All runs must be of one model: the fixed step overhead holds its weight read.
 
+The attention term counts the query-key pairs the run's attention backend computes (its
+``attention_pairs``: the padded rectangle for the gather backends, causal pairs for fused
+kernels), and the hardware file records which. Runs stored before ``steps.csv`` recorded the
+padded pairs get them from a checked replay of their scheduling (:mod:`experiments.replay`).
+
 The datasheet-like ``--peak-tflops`` / ``--bandwidth-tbps`` only set the units of the terms (the
 fitted multipliers absorb them); their defaults are this project's 2-core CPU probe in float32
 (README: ~150 GFLOP/s matmul peak, ~25 GB/s streaming).
@@ -24,9 +29,12 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from hydra.utils import get_class
 from omegaconf import OmegaConf
 
+from engine.model import Linear
 from engine.step_shape import StepShape
+from experiments.replay import recovered_shapes
 from experiments.safe_files import write_text_file
 from simulator.cost_model import CostModel, Fit, fit_coefficients
 from simulator.hardware import Hardware
@@ -41,13 +49,17 @@ NEEDED_COLUMNS = ("duration_s", "start_time", "end_time", "num_seqs", "num_prefi
 
 
 def step_shapes(steps: pd.DataFrame) -> list[StepShape]:
-    """The shape of every recorded step (the columns ``engine.step_shape.StepShape`` wrote)."""
+    """The shape of every recorded step (the columns ``engine.step_shape.StepShape`` wrote; padded
+    pairs 0 where not recorded: only a padded-pairs calibration reads them, and it replays them)."""
     rows = steps.num_prefill_tokens + steps.num_decode_tokens + steps.num_wasted_slots
+    padded = steps.padded_attention_pairs if "padded_attention_pairs" in steps.columns else [0] * len(steps)
     return [
         StepShape(num_seqs=int(s), num_rows=int(r), num_decode_tokens=int(d), num_wasted_slots=int(w),
-                  num_sampled=int(n), context_tokens=int(c), prefill_attention_pairs=int(a))
-        for s, r, d, w, n, c, a in zip(steps.num_seqs, rows, steps.num_decode_tokens, steps.num_wasted_slots,
-                                       steps.num_sampled, steps.context_tokens, steps.prefill_attention_pairs)
+                  num_sampled=int(n), context_tokens=int(c), prefill_attention_pairs=int(a),
+                  padded_attention_pairs=int(p))
+        for s, r, d, w, n, c, a, p in zip(steps.num_seqs, rows, steps.num_decode_tokens, steps.num_wasted_slots,
+                                          steps.num_sampled, steps.context_tokens, steps.prefill_attention_pairs,
+                                          padded)
     ]
 
 
@@ -68,10 +80,24 @@ def load_run(run_dir: Path) -> tuple[dict, pd.DataFrame]:
     if missing:
         raise ValueError(f"{steps_file} lacks {missing}: rerun it with servelab's engine (HF peers and older runs "
                          "do not record the step shape)")
+    if attention_pairs(cfg) == "padded" and ("padded_attention_pairs" not in steps.columns
+                                             or steps.padded_attention_pairs.isna().any()):
+        steps = recovered_shapes(run_dir, steps)  # a run stored before the column: checked replay
     return cfg, steps
 
 
-def calibrate(run_dirs: Sequence[Path], peak_tflops: float, bandwidth_tbps: float) -> tuple[Fit, dict, dict]:
+def attention_pairs(cfg: dict) -> str:
+    """Which pairs the run's attention backend computes (``"padded"`` or ``"causal"``)."""
+    target = (cfg.get("attention") or {}).get("_target_")
+    try:
+        return get_class(target).attention_pairs
+    except (ImportError, AttributeError, ValueError) as error:
+        raise ValueError(f"attention backend {target!r} of the run is unknown or does not say which pairs it "
+                         f"computes ({error})") from error
+
+
+def calibrate(run_dirs: Sequence[Path], peak_tflops: float, bandwidth_tbps: float,
+              small_batch_rows: int = Linear.skinny_max_rows) -> tuple[Fit, dict, dict]:
     """Fit on all steps of ``run_dirs``; returns the fit, the model spec and what was fitted on."""
     configs, terms, seconds = [], [], []
     for run_dir in run_dirs:
@@ -80,15 +106,21 @@ def calibrate(run_dirs: Sequence[Path], peak_tflops: float, bandwidth_tbps: floa
         if cfg["model"].get("hf_config") != configs[0]["model"].get("hf_config"):
             raise ValueError(f"{run_dir} ran model {cfg['model'].get('name')!r}, not {configs[0]['model'].get('name')!r}: "
                              "calibrate one model at a time")
+        if attention_pairs(cfg) != attention_pairs(configs[0]):
+            raise ValueError(f"{run_dir} ran a {attention_pairs(cfg)}-pairs attention backend, the first run a "
+                             f"{attention_pairs(configs[0])} one: calibrate one kind of attention kernel at a time")
         units = Hardware(name="units", peak_tflops=peak_tflops, bandwidth_tbps=bandwidth_tbps,
-                         dtype_bytes=DTYPE_BYTES.get(cfg.get("dtype"), 4))
+                         dtype_bytes=DTYPE_BYTES.get(cfg.get("dtype"), 4), attention_pairs=attention_pairs(cfg),
+                         small_batch_rows=small_batch_rows)
         model = CostModel(units, model_config_for_costs(hf_config_of(cfg["model"])[0]))
         terms += [model.terms(shape) for shape in step_shapes(steps)]
         seconds += (steps.duration_s + between_steps_s(steps)).tolist()
     first = configs[0]
     about = {"model": first["model"].get("name"), "dtype": first.get("dtype"),
              "dtype_bytes": DTYPE_BYTES.get(first.get("dtype"), 4), "device": first.get("device"),
-             "attention": (first.get("attention") or {}).get("_target_"), "engine": first.get("engine")}
+             "attention": (first.get("attention") or {}).get("_target_"), "attention_pairs": attention_pairs(first),
+             "small_batch_rows": small_batch_rows,
+             "engine": first.get("engine")}
     return fit_coefficients(terms, seconds, DISTURBED_RATIO), first["model"], about
 
 
@@ -115,9 +147,12 @@ dtype_bytes: {about['dtype_bytes']}               # bytes per weight / K/V eleme
 step_overhead_s: {c['step_overhead_s']:.6g}   # fitted: fixed per step, includes the weight read and the driver's gap
 seq_overhead_s: {c['seq_overhead_s']:.6g}   # fitted: per scheduled sequence
 linear_time_scale: {c['linear_time_scale']:.6g}   # fitted: x (linear FLOPs / peak_tflops)
+small_batch_rows: {about['small_batch_rows']}        # steps of <= this many rows take the few-row GEMM path (engine Linear.skinny_max_rows)
+small_batch_time_scale: {c['small_batch_time_scale']:.6g}   # fitted: extra x (linear FLOPs / peak_tflops) on those steps
 weight_time_scale: 0.0      # not separable from step_overhead_s on one model (absorbed there)
 kv_time_scale: {c['kv_time_scale']:.6g}   # fitted: x (KV bytes read / bandwidth_tbps)
 attention_time_scale: {c['attention_time_scale']:.6g}   # fitted: x (attention FLOPs / peak_tflops)
+attention_pairs: {about['attention_pairs']}     # pairs the calibrated attention backend computes (padded: gather + dense SDPA)
 calibrated: true            # fitted on a real machine (summaries say "simulated, calibrated")
 calibrated_model: {about['model']}    # the model the fit is valid for
 calibration: "{how}"        # how this file was made
@@ -130,6 +165,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--name", required=True, help="writes conf/hardware/<name>.yaml")
     parser.add_argument("--peak-tflops", type=float, default=0.15, help="units of the FLOP terms")
     parser.add_argument("--bandwidth-tbps", type=float, default=0.025, help="units of the byte terms")
+    parser.add_argument("--small-batch-rows", type=int, default=Linear.skinny_max_rows,
+                        help="steps of at most this many rows are in the small-batch GEMM regime (0: none)")
     parser.add_argument("--min-steps", type=int, default=30, help="fewer steps: refuse to fit")
     parser.add_argument("--min-r2", type=float, default=0.9, help="a fit with lower R^2: refuse to write")
     parser.add_argument("--out-dir", type=Path, default=HARDWARE_DIR, help="where hardware files live")
@@ -141,7 +178,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{target} exists; pick another --name or pass --overwrite", file=sys.stderr)
         return 2
     try:
-        fit, _, about = calibrate(args.run_dirs, args.peak_tflops, args.bandwidth_tbps)
+        fit, _, about = calibrate(args.run_dirs, args.peak_tflops, args.bandwidth_tbps, args.small_batch_rows)
     except ValueError as error:
         print(f"calibration failed: {error}", file=sys.stderr)
         return 2

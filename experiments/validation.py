@@ -2,6 +2,8 @@
 
     python run.py +experiment=simulator_validation          # the sweep, then this comparison
     python -m experiments.validation results/sweeps/<time>  # the comparison again, on a finished sweep
+    python -m experiments.validation OUT --real-from results/sweeps/<time> --hardware NAME
+                                   # re-simulate stored real runs on another calibration, no real engine
 
 The sweep runs every held-out configuration (``conf/validation_case/``: scheduler x cache x
 workload x concurrency, none of them the calibration run's) twice, ``engine=servelab`` then
@@ -12,11 +14,18 @@ case and writes, into the sweep folder:
   ((simulated - real) / real; 0 when both are 0);
 * ``validation.md``: that table plus the median |relative error| per metric against the targets;
 * ``validation.png``: relative error per metric and configuration.
+
+``--real-from`` re-simulates a finished sweep's real runs instead of running the engine again:
+each real job is copied unchanged into ``OUT/real/<job>``, and the simulator runs the same
+configuration (the job's own Hydra overrides, with ``engine=simulated hardware=NAME``) into
+``OUT/simulated/<job>``; the comparison is then written into ``OUT``. A change to the cost model
+or a new calibration is checked against the very same real measurements, in seconds.
 """
 from __future__ import annotations
 
 import argparse
 import math
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -27,11 +36,15 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
+import yaml  # noqa: E402
+from hydra import compose, initialize_config_dir  # noqa: E402
 from hydra.experimental.callback import Callback  # noqa: E402
-from omegaconf import DictConfig  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
+from engine.config import CONF_DIR  # noqa: E402
+from experiments.job import execute  # noqa: E402
 from experiments.plots import save_figure  # noqa: E402
-from experiments.report import collect, markdown_table  # noqa: E402
+from experiments.report import collect, job_dirs, markdown_table, read_summary  # noqa: E402
 from experiments.results import write_csv, write_text_file  # noqa: E402
 
 CASE_COLUMN = "override:validation_case"
@@ -116,6 +129,36 @@ def write_validation(root: Path) -> list[Path]:
     return [csv, md, plot(table, root / "validation.png")]
 
 
+def simulated_overrides(overrides: Sequence[str], hardware: str) -> list[str]:
+    """A real job's Hydra overrides with the engine swapped for the simulator on ``hardware``."""
+    kept = [o for o in overrides if o.partition("=")[0].lstrip("+~") not in ("engine", "hardware")]
+    return [*kept, "engine=simulated", f"hardware={hardware}"]
+
+
+def resimulate(real_from: Path, out: Path, hardware: str) -> list[Path]:
+    """Copy ``real_from``'s real jobs into ``out/real/``, simulate each into ``out/simulated/``, compare."""
+    real_jobs = [job for job in job_dirs(real_from)
+                 if (job / "summary.json").is_file() and read_summary(job / "summary.json")["run"].get("engine") == "servelab"]
+    if not real_jobs:
+        raise ValueError(f"no real (engine=servelab) jobs with a summary.json under {real_from}")
+    for job in real_jobs:
+        name = str(job.relative_to(real_from))
+        shutil.copytree(job, out / "real" / name)
+        overrides = simulated_overrides(yaml.safe_load((job / ".hydra" / "overrides.yaml").read_text()), hardware)
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = compose(config_name="config", overrides=overrides, return_hydra_config=True)
+        choices = dict(cfg.hydra.runtime.choices)
+        OmegaConf.set_struct(cfg, False)
+        del cfg["hydra"]
+        target = out / "simulated" / name
+        (target / ".hydra").mkdir(parents=True)
+        (target / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
+        outcome = execute(cfg, target, choices=choices, overrides=overrides)
+        if outcome.failed:
+            print(f"simulating {name} failed: {outcome.summary['error']}")
+    return write_validation(out)
+
+
 class ValidationCallback(Callback):
     """Hydra callback: the comparison when the validation sweep ends."""
 
@@ -127,9 +170,17 @@ class ValidationCallback(Callback):
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("sweep_dir", type=Path, help="a finished +experiment=simulator_validation sweep")
+    parser.add_argument("sweep_dir", type=Path, help="a finished +experiment=simulator_validation sweep (with "
+                        "--real-from: a new folder to write the re-simulation into)")
+    parser.add_argument("--real-from", type=Path, help="re-simulate this finished sweep's real jobs into sweep_dir")
+    parser.add_argument("--hardware", help="with --real-from: the calibration to simulate on (conf/hardware/<name>)")
     args = parser.parse_args(argv)
-    written = write_validation(args.sweep_dir)
+    if args.real_from is None:
+        written = write_validation(args.sweep_dir)
+    elif args.hardware is None or args.sweep_dir.exists():
+        parser.error("--real-from needs --hardware and a sweep_dir that does not exist yet")
+    else:
+        written = resimulate(args.real_from, args.sweep_dir, args.hardware)
     print(written[1].read_text())
     return 0
 

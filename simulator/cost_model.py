@@ -1,27 +1,33 @@
 """Time of one engine step from the batch the scheduler built, on a model of the hardware.
 
 The step's shape (:class:`engine.step_shape.StepShape`) gives, per step: ``S`` sequences, ``T``
-token rows, ``R`` sampled rows, ``C`` context tokens read and ``A`` causal query-key pairs of the
-prefill rows (sequences computing more than one row; a decode row's attention is its context read). With
-the model's shapes (:mod:`simulator.model_shapes`) they become ideal times at datasheet peaks:
+token rows, ``R`` sampled rows, ``C`` context tokens read and ``A`` query-key pairs of the prefill
+rows (sequences computing more than one row; a decode row's attention is its context read): the
+causal pairs for a fused attention kernel, or the padded rectangle ``n x max query x max context``
+per attention call that a dense masked kernel computes (``Hardware.attention_pairs``: servelab's
+gather backends pad; FlashAttention and paged kernels do not). With the model's shapes
+(:mod:`simulator.model_shapes`) they become ideal times at datasheet peaks:
 
 * ``t_lin  = (T * 2 * layer_params + R * 2 * vocab * hidden) / peak_flops``  (GEMMs)
+* ``t_small = t_lin`` if ``T <= small_batch_rows`` else 0                     (GEMMs of few rows)
 * ``t_w    = weight_bytes / bandwidth``                                    (stream the weights once)
 * ``t_kv   = C * kv_bytes_per_token / bandwidth``                          (attention reads the KV cache)
-* ``t_attn = A * 4 * layers * heads * head_dim / peak_flops``               (quadratic prefill attention)
+* ``t_attn = A * 4 * layers * heads * head_dim / peak_flops``               (prefill attention)
 
 and the step time is
 
-    t = c_step + c_seq * S + max(c_lin * t_lin, c_w * t_w) + c_kv * t_kv + c_attn * t_attn
+    t = c_step + c_seq * S + max(c_lin * t_lin + c_small * t_small, c_w * t_w) + c_kv * t_kv + c_attn * t_attn
 
 The ``max`` is the roofline of the linear layers: a small decode batch waits for the weights to
-stream, a large prefill waits for the math. Every ``c`` is >= 0: ``c_step`` / ``c_seq`` are
-overheads in seconds, the others are 1 / efficiency against the datasheet.
+stream, a large prefill waits for the math. ``c_small`` prices the GEMM efficiency lost on
+batches of few rows where the weight read does not bound them (a CPU: a decode row through a
+few-row GEMM costs about twice a row of a large one). Every ``c`` is >= 0: ``c_step`` / ``c_seq``
+are overheads in seconds, the others are 1 / efficiency against the datasheet.
 
 **Fitting** (``experiments.calibrate``): on one model the weight read is the same every step,
 so ``c_w * t_w`` cannot be told apart from ``c_step``; the fit sets ``c_w = 0`` (the max is then
 ``c_lin * t_lin``) and solves the linear model ``t = X c`` for
-``c = (c_step, c_seq, c_lin, c_kv, c_attn)`` by non-negative least squares
+``c = (c_step, c_seq, c_lin, c_small, c_kv, c_attn)`` by non-negative least squares
 (``scipy.optimize.nnls``), on the measured step durations plus the median gap between
 back-to-back steps (the driver's own time, which a virtual clock must also pass).
 """
@@ -38,7 +44,8 @@ from simulator import model_shapes
 from simulator.hardware import Hardware
 
 #: columns of the calibration design matrix, in order
-FIT_TERMS = ("step_overhead_s", "seq_overhead_s", "linear_time_scale", "kv_time_scale", "attention_time_scale")
+FIT_TERMS = ("step_overhead_s", "seq_overhead_s", "linear_time_scale", "small_batch_time_scale", "kv_time_scale",
+             "attention_time_scale")
 
 
 @dataclass(frozen=True)
@@ -47,13 +54,14 @@ class StepTerms:
 
     num_seqs: int
     linear_s: float
+    small_batch_linear_s: float
     weights_s: float
     kv_s: float
     attention_s: float
 
     def fit_row(self) -> list[float]:
         """The calibration features, in :data:`FIT_TERMS` order."""
-        return [1.0, float(self.num_seqs), self.linear_s, self.kv_s, self.attention_s]
+        return [1.0, float(self.num_seqs), self.linear_s, self.small_batch_linear_s, self.kv_s, self.attention_s]
 
 
 class CostModel:
@@ -67,14 +75,18 @@ class CostModel:
         self.weights_s = model_shapes.weight_bytes_read_per_step(model_config, dtype_bytes) / bandwidth
         self.kv_s_per_token = model_shapes.kv_bytes_per_token(model_config, dtype_bytes) / bandwidth
         self.attention_s_per_pair = model_shapes.attention_flops_per_pair(model_config) / flops
+        self.padded_attention = hardware.attention_pairs == "padded"
 
     def terms(self, shape: StepShape) -> StepTerms:
+        linear_s = shape.num_rows * self.linear_s_per_row + shape.num_sampled * self.lm_head_s_per_row
         return StepTerms(
             num_seqs=shape.num_seqs,
-            linear_s=shape.num_rows * self.linear_s_per_row + shape.num_sampled * self.lm_head_s_per_row,
+            linear_s=linear_s,
+            small_batch_linear_s=linear_s if shape.num_rows <= self.hardware.small_batch_rows else 0.0,
             weights_s=self.weights_s,
             kv_s=shape.context_tokens * self.kv_s_per_token,
-            attention_s=shape.prefill_attention_pairs * self.attention_s_per_pair,
+            attention_s=(shape.padded_attention_pairs if self.padded_attention else shape.prefill_attention_pairs)
+            * self.attention_s_per_pair,
         )
 
     def step_time(self, shape: StepShape) -> float:
@@ -83,7 +95,8 @@ class CostModel:
         return (
             hw.step_overhead_s
             + hw.seq_overhead_s * terms.num_seqs
-            + max(hw.linear_time_scale * terms.linear_s, hw.weight_time_scale * terms.weights_s)
+            + max(hw.linear_time_scale * terms.linear_s + hw.small_batch_time_scale * terms.small_batch_linear_s,
+                  hw.weight_time_scale * terms.weights_s)
             + hw.kv_time_scale * terms.kv_s
             + hw.attention_time_scale * terms.attention_s
         )

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 PROJECTED = "projected, uncalibrated"
+ATTENTION_PAIRS = ("causal", "padded")  # see Hardware.attention_pairs
 
 
 @dataclass(frozen=True)
@@ -34,9 +35,19 @@ class Hardware:
         step_overhead_s: fixed seconds per step (launches, scheduling, sampling, the driver loop).
         seq_overhead_s: seconds per scheduled sequence (per-sequence bookkeeping and kernels).
         linear_time_scale: multiplier on linear-layer FLOPs / peak (1 / achieved MFU of GEMMs).
+        small_batch_rows: steps of at most this many token rows run their GEMMs in the small-batch
+            regime (0: no such regime; servelab's CPU engine: 24, the rows its few-row GEMM takes).
+        small_batch_time_scale: extra multiplier on linear FLOPs / peak in that regime: a GEMM of a
+            few rows reuses each weight it loads only a few times, so it runs further below peak
+            than a large one (on GPUs the weight-read roofline covers this: 0 there).
         weight_time_scale: multiplier on weight bytes / bandwidth (1 / achieved bandwidth share).
         kv_time_scale: multiplier on KV bytes read / bandwidth (attention's memory side).
         attention_time_scale: multiplier on attention FLOPs / peak (quadratic prefill term).
+        attention_pairs: which query-key pairs of prompt / chunk rows the attention kernel computes:
+            ``"causal"`` (fused paged / flash kernels skip masked keys; the presets) or ``"padded"``
+            (dense masked attention over each call's padded batch: servelab's gather backends
+            ``torch_sdpa`` / ``eager``, what a CPU calibration of them records). See
+            :mod:`engine.step_shape`.
         calibrated: fitted on a real machine (``experiments.calibrate``) rather than a datasheet.
         calibrated_model: the model the calibration ran (its weight read hides in the step overhead).
         calibration: how the file was made (command, runs, date, fit quality).
@@ -51,9 +62,12 @@ class Hardware:
     step_overhead_s: float = 0.0
     seq_overhead_s: float = 0.0
     linear_time_scale: float = 1.0
+    small_batch_rows: int = 0
+    small_batch_time_scale: float = 0.0
     weight_time_scale: float = 1.0
     kv_time_scale: float = 1.0
     attention_time_scale: float = 1.0
+    attention_pairs: str = "causal"
     calibrated: bool = False
     calibrated_model: str | None = None
     calibration: str | None = None
@@ -65,8 +79,11 @@ class Hardware:
             raise ValueError(f"hardware {self.name!r}: tensor_parallel must be >= 1, got {self.tensor_parallel}")
         if self.dtype_bytes not in (1, 2, 4):
             raise ValueError(f"hardware {self.name!r}: dtype_bytes must be 1, 2 or 4, got {self.dtype_bytes}")
+        if self.attention_pairs not in ATTENTION_PAIRS:
+            raise ValueError(f"hardware {self.name!r}: attention_pairs must be one of {ATTENTION_PAIRS}, "
+                             f"got {self.attention_pairs!r}")
         scales = (self.step_overhead_s, self.seq_overhead_s, self.linear_time_scale, self.weight_time_scale,
-                  self.kv_time_scale, self.attention_time_scale)
+                  self.kv_time_scale, self.attention_time_scale, self.small_batch_rows, self.small_batch_time_scale)
         if min(scales) < 0:
             raise ValueError(f"hardware {self.name!r}: overheads and time scales must be >= 0")
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from engine.interfaces.scheduler import ScheduledSequence
 from engine.sequence import Sequence
-from engine.step_shape import StepShape
+from engine.step_shape import MIN_DECODE_RUN, StepShape
 from simulator.cost_model import CostModel
 
 
@@ -49,13 +49,14 @@ class CostModelRunner:
     def __init__(self, cost_model: CostModel, clock: VirtualClock) -> None:
         self.cost_model = cost_model
         self.clock = clock
+        self.min_decode_run = MIN_DECODE_RUN  # the real runner's split of mixed steps (padded attention pairs)
 
     def prepare(self, scheduled: list[ScheduledSequence]) -> SimulatedStep:
         sampled = [
             item for item in scheduled
             if item.is_padding or item.seq.num_computed_tokens + item.num_new_tokens == item.seq.num_tokens
         ]
-        return SimulatedStep(sampled=sampled, shape=StepShape.of(scheduled))
+        return SimulatedStep(sampled=sampled, shape=StepShape.of(scheduled, self.min_decode_run))
 
     def execute(self, step: SimulatedStep) -> SimulatedStep:
         self.clock.advance(self.cost_model.step_time(step.shape))

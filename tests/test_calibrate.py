@@ -19,8 +19,8 @@ from simulator.hardware import Hardware
 from simulator.model_shapes import model_config_for_costs
 
 TINY_SPEC = yaml.safe_load((CONF_DIR / "model" / "tiny.yaml").read_text())
-TRUTH = dict(step_overhead_s=0.02, seq_overhead_s=0.003, linear_time_scale=0.5, kv_time_scale=4.0,
-             attention_time_scale=9.0)
+TRUTH = dict(step_overhead_s=0.02, seq_overhead_s=0.003, linear_time_scale=0.5, small_batch_time_scale=0.7,
+             kv_time_scale=4.0, attention_time_scale=9.0)
 
 
 def fake_run(folder: Path, num_steps: int, seed: int = 0, durations: str = "model") -> Path:
@@ -28,7 +28,7 @@ def fake_run(folder: Path, num_steps: int, seed: int = 0, durations: str = "mode
     (``durations="noisy"``: within -25% / +40% of it; ``"random"``: unrelated to the steps)."""
     rng = np.random.default_rng(seed)
     truth = Hardware(name="truth", peak_tflops=0.15, bandwidth_tbps=0.025, dtype_bytes=4, weight_time_scale=0.0,
-                     **TRUTH)
+                     small_batch_rows=24, **TRUTH)
     model = CostModel(truth, model_config_for_costs(TINY_SPEC["hf_config"]))
     rows, clock = [], 0.0
     for step in range(num_steps):
@@ -46,7 +46,7 @@ def fake_run(folder: Path, num_steps: int, seed: int = 0, durations: str = "mode
     folder.mkdir(parents=True)
     pd.DataFrame(rows).to_csv(folder / "steps.csv", index=False)
     OmegaConf.save(OmegaConf.create({"model": TINY_SPEC, "dtype": "float32", "device": "cpu",
-                                     "attention": {"_target_": "x"}, "engine": {"prepack": "auto"}}),
+                                     "attention": {"_target_": "strategies.attention.cpu_paged.CpuPagedBackend"}, "engine": {"prepack": "auto"}}),
                    folder / "config.yaml")
     return folder
 

@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from engine.config import CONF_DIR
-from engine.step_shape import StepShape
+from engine.step_shape import StepShape, attention_runs, padded_pairs
 from simulator.cost_model import CostModel, fit_coefficients
 from simulator.hardware import Hardware
 from simulator.llm import SimulatedLLM, kv_capacity_from_memory
@@ -19,6 +19,39 @@ LLAMA_8B = model_config_for_costs(yaml.safe_load((CONF_DIR / "model" / "llama-3.
 def shape(seqs=1, rows=1, decode=1, sampled=1, context=1, pairs=0) -> StepShape:
     return StepShape(num_seqs=seqs, num_rows=rows, num_decode_tokens=decode, num_wasted_slots=0,
                      num_sampled=sampled, context_tokens=context, prefill_attention_pairs=pairs)
+
+
+def test_padded_pairs_by_hand():
+    """Dense attention computes each call's rectangle: ragged prompts pad to the longest; a mixed
+    step with a run of >= 2 decodes attends its prompts alone, with one decode it pads it too."""
+    assert padded_pairs([3, 5], [3, 5]) == 2 * 5 * 5  # causal would be 6 + 15
+    assert padded_pairs([1, 1, 4], [10, 12, 4]) == 1 * 4 * 4  # decode run attended apart
+    assert padded_pairs([1, 4], [10, 4]) == 2 * 4 * 10  # one decode: one padded call
+    assert padded_pairs([1, 1, 4], [10, 12, 4], min_decode_run=None) == 3 * 4 * 12  # never split
+    assert padded_pairs([1, 1], [10, 12]) == 0  # decode-only: the context term
+    assert attention_runs([1, 1, 4, 6, 1, 1]) == [(0, 2), (2, 4), (4, 6)]
+
+
+def test_the_hardware_picks_causal_or_padded_pairs():
+    step = StepShape(num_seqs=2, num_rows=8, num_decode_tokens=0, num_wasted_slots=0, num_sampled=2,
+                     context_tokens=8, prefill_attention_pairs=21, padded_attention_pairs=50)
+    hardware = dict(name="unit", peak_tflops=1, bandwidth_tbps=1)
+    assert CostModel(Hardware(**hardware), TINY).terms(step).attention_s == pytest.approx(21 * 4 * 2 * 4 * 16 * 1e-12)
+    assert CostModel(Hardware(**hardware, attention_pairs="padded"), TINY).terms(step).attention_s == \
+        pytest.approx(50 * 4 * 2 * 4 * 16 * 1e-12)
+    with pytest.raises(ValueError, match="attention_pairs must be one of"):
+        Hardware(**hardware, attention_pairs="sparse")
+
+
+def test_small_batch_regime_prices_steps_of_few_rows_only():
+    hw = Hardware(name="unit", peak_tflops=1, bandwidth_tbps=1, weight_time_scale=0.0, small_batch_rows=24,
+                  small_batch_time_scale=0.5)
+    model = CostModel(hw, TINY)
+    for rows, extra in ((24, 0.5), (25, 0.0)):
+        step = shape(seqs=rows, rows=rows, decode=rows, sampled=rows, context=rows)
+        terms = model.terms(step)
+        assert terms.small_batch_linear_s == (terms.linear_s if extra else 0.0)
+        assert model.step_time(step) == pytest.approx((1 + extra) * terms.linear_s + terms.kv_s, rel=1e-12)
 
 
 def test_parameter_counts_match_the_published_sizes():
@@ -63,7 +96,7 @@ def test_more_work_never_costs_less():
 
 
 def test_nnls_recovers_known_coefficients_and_sets_aside_disturbed_steps():
-    units = Hardware(name="units", peak_tflops=0.15, bandwidth_tbps=0.025, dtype_bytes=4)
+    units = Hardware(name="units", peak_tflops=0.15, bandwidth_tbps=0.025, dtype_bytes=4, small_batch_rows=24)
     model = CostModel(units, TINY)
     rng = np.random.default_rng(0)
     shapes = []
@@ -74,7 +107,7 @@ def test_nnls_recovers_known_coefficients_and_sets_aside_disturbed_steps():
         context = seqs * int(rng.integers(16, 400))
         shapes.append(shape(seqs=seqs, rows=rows, decode=seqs, sampled=seqs, context=context,
                             pairs=prefill * (prefill + 1) // 2))
-    truth = np.array([0.01, 0.0015, 0.4, 2.0, 7.0])
+    truth = np.array([0.01, 0.0015, 0.4, 3.0, 2.0, 7.0])
     seconds = np.array([model.terms(s).fit_row() for s in shapes]) @ truth
     seconds = seconds * rng.uniform(0.999, 1.001, size=len(seconds))  # timer-level noise
     seconds[::20] *= 10  # every 20th step disturbed by another process

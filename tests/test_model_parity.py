@@ -31,6 +31,7 @@ class NaiveAttention:
     """Reference backend: per-sequence gather + masked softmax attention, GQA by repeating heads."""
 
     name = "naive_reference"
+    attention_pairs = "padded"  # full query x context scores per sequence, masked (not skipped)
 
     def forward(self, query, key, value, k_cache, v_cache, metadata: AttentionMetadata, scale: float):
         write_kv(key, value, k_cache, v_cache, metadata.slot_mapping)

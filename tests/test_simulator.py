@@ -15,7 +15,7 @@ from simulator import SimulatedLLM
 
 COMPOSITION = ("num_seqs", "num_prefill_tokens", "num_decode_tokens", "num_wasted_slots", "num_preempted",
                "prefix_hit_tokens", "kv_used_tokens", "kv_reserved_tokens", "kv_capacity_tokens",
-               "num_waiting", "num_running", "context_tokens", "prefill_attention_pairs")
+               "num_waiting", "num_running", "context_tokens", "prefill_attention_pairs", "padded_attention_pairs")
 SYSTEM_PROMPT = [7 + (i * 13) % 400 for i in range(24)]  # shared by the first requests: prefix hits
 
 
@@ -76,6 +76,30 @@ def test_chunked_prefill_steps_equal_real_steps():
     assert sim_steps == real_steps
     assert any(step[COMPOSITION.index("num_prefill_tokens")] and step[COMPOSITION.index("num_decode_tokens")]
                for step in real_steps), "no mixed prefill + decode step: chunking was not exercised"
+
+
+def test_padded_pairs_are_what_the_real_runner_hands_the_attention_backend():
+    """The recorded padded attention pairs equal ``n x max query x max context`` summed over the
+    attention calls the real runner makes (its split of mixed steps into decode / prefill runs)."""
+    engine = LLM(model="tiny", device="cpu", cache="paged", scheduler="continuous", block_size=4, max_num_seqs=4,
+                 capacity_tokens=256)
+    calls_per_step = []
+    prepare = engine.runner.prepare
+
+    def recording_prepare(scheduled):
+        inputs = prepare(scheduled)
+        calls = [part for _, _, part in inputs.attention_parts] if inputs.attention_parts else [inputs.metadata]
+        calls_per_step.append(sum(len(call.query_lens) * call.max_query_len * call.max_context_len
+                                  for call in calls if call.max_query_len > 1))
+        return inputs
+
+    engine.runner.prepare = recording_prepare
+    run_steps(engine, requests())
+    recorded = [record.padded_attention_pairs for record in engine.step_records]
+    assert recorded == calls_per_step
+    assert any(record.num_decode_tokens >= 2 and record.num_prefill_tokens for record in engine.step_records), \
+        "no split mixed step exercised"
+    assert sum(recorded) > sum(record.prefill_attention_pairs for record in engine.step_records)
 
 
 @pytest.mark.parametrize("cache", ["contiguous", "paged"])

@@ -24,9 +24,15 @@ class AttentionBackend(Protocol):
     returns ``[T, num_heads, head_dim]`` in the query's dtype. ``num_heads`` is a multiple of
     ``num_kv_heads`` (grouped-query attention): query head ``h`` reads KV head
     ``h // (num_heads // num_kv_heads)``.
+
+    ``attention_pairs`` says which query-key pairs the backend computes, for the simulator's cost
+    model (:mod:`engine.step_shape`): ``"causal"`` (a fused kernel that skips masked keys) or
+    ``"padded"`` (dense attention over each call's sequences padded to its longest query and
+    context, the mask hiding pairs without skipping them).
     """
 
     name: str
+    attention_pairs: str
 
     def forward(
         self,

@@ -65,6 +65,7 @@ class CpuPagedBackend:
     """Fused paged attention for CPU float32 (C kernel, OpenMP over sequences x KV heads)."""
 
     name = "cpu_paged"
+    attention_pairs = "causal"  # each query row reads its own context only
 
     def __init__(self) -> None:
         self._paged_attention = _kernel()  # builds it now: a missing compiler fails at startup

@@ -19,6 +19,7 @@ class EagerBackend:
     """Gather + explicit matmul / masked softmax (float32) / matmul."""
 
     name = "eager"
+    attention_pairs = "padded"  # dense matmuls over the padded batch, masked softmax
 
     def forward(
         self,

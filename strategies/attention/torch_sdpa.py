@@ -33,6 +33,7 @@ class TorchSDPABackend:
     """Gather + masked ``F.scaled_dot_product_attention``; decode-only steps skip all padding."""
 
     name = "torch_sdpa"
+    attention_pairs = "padded"  # one dense masked SDPA call over the padded batch
 
     def forward(
         self,

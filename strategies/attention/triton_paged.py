@@ -156,6 +156,7 @@ class TritonPagedBackend:
     """
 
     name = "triton_paged"
+    attention_pairs = "causal"  # key tiles past a query tile's last position are skipped
 
     def __init__(self, block_m: int = 64, block_n: int = 32) -> None:
         if triton is None:
