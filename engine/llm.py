@@ -200,6 +200,7 @@ class LLM:
         self.deferred_outputs: dict[int, RequestOutput] = {}
 
     def apply_prepack(self, prepack: bool | str) -> bool:
+        self.skinny_gemm_max_rows = 0  # linears of at most this many rows take the skinny GEMM (0: none)
         supported = onednn_linear_supported(self.device, self.dtype)
         if not _option_enabled("prepack", prepack, supported, f"float32 on a CPU with oneDNN (got {self.dtype} on {self.device})"):
             return False
@@ -209,6 +210,7 @@ class LLM:
             warnings.warn(f"prepack: {error}; few-row matmuls use oneDNN instead of the skinny GEMM", stacklevel=2)
             skinny_gemm = None
         self.model.prepack(skinny_gemm=skinny_gemm)
+        self.skinny_gemm_max_rows = skinny_gemm.max_rows if skinny_gemm is not None else 0
         return True
 
     def apply_fused_ops(self, fused_ops: bool | str) -> bool:

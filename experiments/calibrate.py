@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -32,7 +33,7 @@ import pandas as pd
 from hydra.utils import get_class
 from omegaconf import OmegaConf
 
-from engine.model import Linear
+from engine.config import CONF_DIR
 from engine.step_shape import StepShape
 from experiments.replay import recovered_shapes
 from experiments.safe_files import write_text_file
@@ -71,10 +72,12 @@ def between_steps_s(steps: pd.DataFrame) -> float:
 
 
 def load_run(run_dir: Path) -> tuple[dict, pd.DataFrame]:
+    """The run's resolved config (with ``_backend``: what the run's summary.json says it built) and its steps."""
     config_file, steps_file = run_dir / "config.yaml", run_dir / "steps.csv"
     if not config_file.is_file() or not steps_file.is_file():
         raise ValueError(f"{run_dir} is not a run folder: it needs config.yaml and steps.csv")
     cfg = OmegaConf.to_container(OmegaConf.load(config_file), resolve=True)
+    cfg["_backend"] = built_backend(run_dir)
     steps = pd.read_csv(steps_file)
     missing = [c for c in NEEDED_COLUMNS if c not in steps.columns or steps[c].isna().any()]
     if missing:
@@ -86,9 +89,24 @@ def load_run(run_dir: Path) -> tuple[dict, pd.DataFrame]:
     return cfg, steps
 
 
+def built_backend(run_dir: Path) -> dict:
+    """What the run's ``summary.json`` says the engine built: ``attention_backend`` (the backend
+    ``attention=auto`` chose) and ``skinny_gemm_max_rows``; ``None`` where a run predates the record."""
+    summary_file = run_dir / "summary.json"
+    summary = json.loads(summary_file.read_text()) if summary_file.is_file() else {}
+    environment = summary.get("environment") or {}
+    return {"attention_backend": (summary.get("run") or {}).get("attention_backend"),
+            "skinny_gemm_max_rows": environment.get("skinny_gemm_max_rows")}
+
+
 def attention_pairs(cfg: dict) -> str:
-    """Which pairs the run's attention backend computes (``"padded"`` or ``"causal"``)."""
-    target = (cfg.get("attention") or {}).get("_target_")
+    """Which pairs the run's attention backend computes (``"padded"`` or ``"causal"``): the backend
+    the run built (its summary's ``attention_backend``), else its config's ``_target_``."""
+    backend = (cfg.get("_backend") or {}).get("attention_backend")
+    if backend is not None:
+        target = OmegaConf.load(CONF_DIR / "attention" / f"{backend}.yaml")["_target_"]
+    else:
+        target = (cfg.get("attention") or {}).get("_target_")
     try:
         return get_class(target).attention_pairs
     except (ImportError, AttributeError, ValueError) as error:
@@ -96,30 +114,49 @@ def attention_pairs(cfg: dict) -> str:
                          f"computes ({error})") from error
 
 
+def run_small_batch_rows(run_dir: Path, cfg: dict, override: int | None) -> int:
+    """The few-row GEMM limit the run's engine used (its summary), or ``override`` where given."""
+    if override is not None:
+        return override
+    recorded = (cfg.get("_backend") or {}).get("skinny_gemm_max_rows")
+    if recorded is None:
+        raise ValueError(f"{run_dir}/summary.json does not record the engine's skinny_gemm_max_rows (a run made before "
+                         "it was recorded): pass --small-batch-rows (24 for servelab before 2026-11-30 15:00 UTC)")
+    return int(recorded)
+
+
 def calibrate(run_dirs: Sequence[Path], peak_tflops: float, bandwidth_tbps: float,
-              small_batch_rows: int = Linear.skinny_max_rows) -> tuple[Fit, dict, dict]:
-    """Fit on all steps of ``run_dirs``; returns the fit, the model spec and what was fitted on."""
-    configs, terms, seconds = [], [], []
+              small_batch_rows: int | None = None) -> tuple[Fit, dict, dict]:
+    """Fit on all steps of ``run_dirs``; returns the fit, the model spec and what was fitted on.
+
+    ``small_batch_rows``: the few-row GEMM limit; ``None`` takes the one each run recorded (all
+    runs must agree), a number overrides it (runs made before it was recorded)."""
+    configs, limits, terms, seconds = [], [], [], []
     for run_dir in run_dirs:
         cfg, steps = load_run(Path(run_dir))
         configs.append(cfg)
+        limits.append(run_small_batch_rows(Path(run_dir), cfg, small_batch_rows))
         if cfg["model"].get("hf_config") != configs[0]["model"].get("hf_config"):
             raise ValueError(f"{run_dir} ran model {cfg['model'].get('name')!r}, not {configs[0]['model'].get('name')!r}: "
                              "calibrate one model at a time")
         if attention_pairs(cfg) != attention_pairs(configs[0]):
             raise ValueError(f"{run_dir} ran a {attention_pairs(cfg)}-pairs attention backend, the first run a "
                              f"{attention_pairs(configs[0])} one: calibrate one kind of attention kernel at a time")
+        if limits[-1] != limits[0]:
+            raise ValueError(f"{run_dir} ran linears of <= {limits[-1]} rows on the skinny GEMM, the first run "
+                             f"<= {limits[0]}: calibrate runs of one engine build at a time")
         units = Hardware(name="units", peak_tflops=peak_tflops, bandwidth_tbps=bandwidth_tbps,
                          dtype_bytes=DTYPE_BYTES.get(cfg.get("dtype"), 4), attention_pairs=attention_pairs(cfg),
-                         small_batch_rows=small_batch_rows)
+                         small_batch_rows=limits[-1])
         model = CostModel(units, model_config_for_costs(hf_config_of(cfg["model"])[0]))
         terms += [model.terms(shape) for shape in step_shapes(steps)]
         seconds += (steps.duration_s + between_steps_s(steps)).tolist()
     first = configs[0]
+    attention = first["_backend"]["attention_backend"] or (first.get("attention") or {}).get("_target_")
     about = {"model": first["model"].get("name"), "dtype": first.get("dtype"),
              "dtype_bytes": DTYPE_BYTES.get(first.get("dtype"), 4), "device": first.get("device"),
-             "attention": (first.get("attention") or {}).get("_target_"), "attention_pairs": attention_pairs(first),
-             "small_batch_rows": small_batch_rows,
+             "attention": attention, "attention_pairs": attention_pairs(first),
+             "small_batch_rows": limits[0],
              "engine": first.get("engine")}
     return fit_coefficients(terms, seconds, DISTURBED_RATIO), first["model"], about
 
@@ -147,7 +184,7 @@ dtype_bytes: {about['dtype_bytes']}               # bytes per weight / K/V eleme
 step_overhead_s: {c['step_overhead_s']:.6g}   # fitted: fixed per step, includes the weight read and the driver's gap
 seq_overhead_s: {c['seq_overhead_s']:.6g}   # fitted: per scheduled sequence
 linear_time_scale: {c['linear_time_scale']:.6g}   # fitted: x (linear FLOPs / peak_tflops)
-small_batch_rows: {about['small_batch_rows']}        # steps of <= this many rows take the few-row GEMM path (engine Linear.skinny_max_rows)
+small_batch_rows: {about['small_batch_rows']}        # steps of <= this many rows take the few-row GEMM path (the runs' skinny_gemm_max_rows)
 small_batch_time_scale: {c['small_batch_time_scale']:.6g}   # fitted: extra x (linear FLOPs / peak_tflops) on those steps
 weight_time_scale: 0.0      # not separable from step_overhead_s on one model (absorbed there)
 kv_time_scale: {c['kv_time_scale']:.6g}   # fitted: x (KV bytes read / bandwidth_tbps)
@@ -165,8 +202,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--name", required=True, help="writes conf/hardware/<name>.yaml")
     parser.add_argument("--peak-tflops", type=float, default=0.15, help="units of the FLOP terms")
     parser.add_argument("--bandwidth-tbps", type=float, default=0.025, help="units of the byte terms")
-    parser.add_argument("--small-batch-rows", type=int, default=Linear.skinny_max_rows,
-                        help="steps of at most this many rows are in the small-batch GEMM regime (0: none)")
+    parser.add_argument("--small-batch-rows", type=int, default=None,
+                        help="steps of at most this many rows are in the small-batch GEMM regime (0: none); "
+                             "default: the skinny_gemm_max_rows each run's summary.json records")
     parser.add_argument("--min-steps", type=int, default=30, help="fewer steps: refuse to fit")
     parser.add_argument("--min-r2", type=float, default=0.9, help="a fit with lower R^2: refuse to write")
     parser.add_argument("--out-dir", type=Path, default=HARDWARE_DIR, help="where hardware files live")

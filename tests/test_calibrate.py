@@ -2,6 +2,7 @@
 says why not and writes nothing."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -23,9 +24,11 @@ TRUTH = dict(step_overhead_s=0.02, seq_overhead_s=0.003, linear_time_scale=0.5, 
              kv_time_scale=4.0, attention_time_scale=9.0)
 
 
-def fake_run(folder: Path, num_steps: int, seed: int = 0, durations: str = "model") -> Path:
+def fake_run(folder: Path, num_steps: int, seed: int = 0, durations: str = "model", skinny_rows: int | None = 24) -> Path:
     """A run folder whose step durations follow the cost model with known coefficients
-    (``durations="noisy"``: within -25% / +40% of it; ``"random"``: unrelated to the steps)."""
+    (``durations="noisy"``: within -25% / +40% of it; ``"random"``: unrelated to the steps), made
+    with ``attention=auto`` that built cpu_paged and (unless ``skinny_rows`` is None, as in runs
+    made before it was recorded) a skinny GEMM of ``skinny_rows`` rows."""
     rng = np.random.default_rng(seed)
     truth = Hardware(name="truth", peak_tflops=0.15, bandwidth_tbps=0.025, dtype_bytes=4, weight_time_scale=0.0,
                      small_batch_rows=24, **TRUTH)
@@ -45,9 +48,13 @@ def fake_run(folder: Path, num_steps: int, seed: int = 0, durations: str = "mode
         clock += duration
     folder.mkdir(parents=True)
     pd.DataFrame(rows).to_csv(folder / "steps.csv", index=False)
+    auto = {"_target_": "strategies.attention.auto.select_attention_backend", "device": "cpu", "dtype": "float32"}
     OmegaConf.save(OmegaConf.create({"model": TINY_SPEC, "dtype": "float32", "device": "cpu",
-                                     "attention": {"_target_": "strategies.attention.cpu_paged.CpuPagedBackend"}, "engine": {"prepack": "auto"}}),
+                                     "attention": auto, "engine": {"prepack": "auto"}}),
                    folder / "config.yaml")
+    environment = {} if skinny_rows is None else {"skinny_gemm_max_rows": skinny_rows}
+    (folder / "summary.json").write_text(json.dumps({"run": {"attention": "auto", "attention_backend": "cpu_paged"},
+                                                     "environment": environment}))
     return folder
 
 
@@ -57,6 +64,8 @@ def test_fit_round_trip_writes_a_usable_hardware_file(tmp_path):
     written = tmp_path / "hw" / "fitted.yaml"
     hardware = instantiate(OmegaConf.load(written))
     assert isinstance(hardware, Hardware) and hardware.calibrated and hardware.calibrated_model == "tiny"
+    # what the run built, from its summary.json: attention=auto's cpu_paged (causal pairs), 24-row skinny GEMM
+    assert hardware.attention_pairs == "causal" and hardware.small_batch_rows == 24
     for name, value in TRUTH.items():
         assert getattr(hardware, name) == pytest.approx(value, rel=1e-3)
     assert "R^2 1.000" in hardware.calibration
@@ -92,3 +101,15 @@ def test_refuses_and_writes_nothing(tmp_path, case, capsys):
                 "noisy": "explains too little",
                 "not_a_run": "not a run folder", "peer_steps": "lacks ['context_tokens']"}[case]
     assert expected in message
+
+
+def test_skinny_limit_comes_from_the_runs_or_from_the_option(tmp_path, capsys):
+    """A run that does not record its skinny GEMM limit needs --small-batch-rows; runs of
+    different limits are not mixed in one fit."""
+    old = fake_run(tmp_path / "old", 120, skinny_rows=None)
+    assert main([str(old), "--name", "old", "--out-dir", str(tmp_path / "hw")]) == 2
+    assert "--small-batch-rows" in capsys.readouterr().err and not (tmp_path / "hw" / "old.yaml").exists()
+    assert main([str(old), "--name", "old", "--out-dir", str(tmp_path / "hw"), "--small-batch-rows", "24"]) == 0
+    wider = fake_run(tmp_path / "wider", 120, seed=1, skinny_rows=128)
+    assert main([str(fake_run(tmp_path / "new", 120)), str(wider), "--name", "mixed", "--out-dir", str(tmp_path / "hw")]) == 2
+    assert "one engine build at a time" in capsys.readouterr().err
