@@ -43,6 +43,7 @@ from simulator.model_shapes import hf_config_of, model_config_for_costs
 
 HARDWARE_DIR = Path(__file__).resolve().parents[1] / "conf" / "hardware"
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+AUTO_ATTENTION = OmegaConf.load(CONF_DIR / "attention" / "auto.yaml")["_target_"]
 MIN_KEPT_SHARE = 0.75  # a fit that must set aside more steps than this share as disturbed is refused
 DISTURBED_RATIO = 1.5  # steps measured over this x their prediction are set aside (see fit_coefficients)
 NEEDED_COLUMNS = ("duration_s", "start_time", "end_time", "num_seqs", "num_prefill_tokens", "num_decode_tokens",
@@ -107,6 +108,9 @@ def attention_pairs(cfg: dict) -> str:
         target = OmegaConf.load(CONF_DIR / "attention" / f"{backend}.yaml")["_target_"]
     else:
         target = (cfg.get("attention") or {}).get("_target_")
+        if target == AUTO_ATTENTION:
+            raise ValueError("the run's config says attention=auto and it has no summary.json naming the backend "
+                             "that was built (run.attention_backend): its attention pairs are unknown")
     try:
         return get_class(target).attention_pairs
     except (ImportError, AttributeError, ValueError) as error:

@@ -80,7 +80,7 @@ def test_fit_round_trip_writes_a_usable_hardware_file(tmp_path):
     assert main([str(run), "--name", "fitted", "--out-dir", str(tmp_path / "hw")]) == 2  # exists: no silent overwrite
 
 
-@pytest.mark.parametrize("case", ["too_few_steps", "uncorrelated", "noisy", "not_a_run", "peer_steps"])
+@pytest.mark.parametrize("case", ["too_few_steps", "uncorrelated", "noisy", "not_a_run", "peer_steps", "auto_unknown"])
 def test_refuses_and_writes_nothing(tmp_path, case, capsys):
     if case == "too_few_steps":
         run = fake_run(tmp_path / "run", 12)
@@ -91,6 +91,9 @@ def test_refuses_and_writes_nothing(tmp_path, case, capsys):
     elif case == "not_a_run":
         run = tmp_path / "empty"
         run.mkdir()
+    elif case == "auto_unknown":  # attention=auto, and no summary.json saying what it built
+        run = fake_run(tmp_path / "run", 120)
+        (run / "summary.json").unlink()
     else:  # an HF peer's steps.csv has no step shape
         run = fake_run(tmp_path / "run", 120)
         pd.read_csv(run / "steps.csv").drop(columns=["context_tokens"]).to_csv(run / "steps.csv", index=False)
@@ -99,7 +102,8 @@ def test_refuses_and_writes_nothing(tmp_path, case, capsys):
     message = capsys.readouterr().err
     expected = {"too_few_steps": "too few steps", "uncorrelated": "steps fit the model within",
                 "noisy": "explains too little",
-                "not_a_run": "not a run folder", "peer_steps": "lacks ['context_tokens']"}[case]
+                "not_a_run": "not a run folder", "peer_steps": "lacks ['context_tokens']",
+                "auto_unknown": "attention=auto"}[case]
     assert expected in message
 
 

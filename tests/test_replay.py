@@ -34,7 +34,8 @@ def real_job(folder: Path, overrides: list[str]) -> Path:
 
 @pytest.fixture(scope="module")
 def burst_run(tmp_path_factory) -> Path:
-    overrides = [*REAL, "workload=burst", "workload.concurrency=3", "workload.max_prompt_len=40",
+    """A burst run of a gather backend (torch_sdpa: it computes the padded pairs)."""
+    overrides = [*REAL, "attention=torch_sdpa", "workload=burst", "workload.concurrency=3", "workload.max_prompt_len=40",
                  "workload.max_max_tokens=10"]
     return real_job(tmp_path_factory.mktemp("runs") / "burst", overrides)
 
