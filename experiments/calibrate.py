@@ -177,7 +177,7 @@ def hardware_yaml(name: str, fit: Fit, about: dict, run_dirs: Sequence[Path], pe
     return f"""# Calibrated on a real machine by experiments/calibrate.py: coefficients fitted (non-negative
 # least squares) to the step durations of {runs}.
 # Valid for model {about['model']} ({about['dtype']}) with attention {about['attention']} and engine
-# options {engine_options}: the step overhead holds that model's weight read. Formula: docs/simulator.md.
+# options {engine_options}: the step overhead and weight terms hold that model's weight read. Formula: docs/simulator.md.
 _target_: simulator.hardware.Hardware
 name: {name}
 peak_tflops: {peak_tflops}          # units only: FLOP term = FLOPs / this (the fitted multiplier absorbs it)
@@ -190,7 +190,7 @@ seq_overhead_s: {c['seq_overhead_s']:.6g}   # fitted: per scheduled sequence
 linear_time_scale: {c['linear_time_scale']:.6g}   # fitted: x (linear FLOPs / peak_tflops)
 small_batch_rows: {about['small_batch_rows']}        # steps of <= this many rows take the few-row GEMM path (the runs' skinny_gemm_max_rows)
 small_batch_time_scale: {c['small_batch_time_scale']:.6g}   # fitted: extra x (linear FLOPs / peak_tflops) on those steps
-weight_time_scale: 0.0      # not separable from step_overhead_s on one model (absorbed there)
+weight_time_scale: {c['weight_time_scale']:.6g}   # fitted: x (weight bytes / bandwidth_tbps) on weight-bound steps (0: none seen; step_overhead_s holds the read)
 kv_time_scale: {c['kv_time_scale']:.6g}   # fitted: x (KV bytes read / bandwidth_tbps)
 attention_time_scale: {c['attention_time_scale']:.6g}   # fitted: x (attention FLOPs / peak_tflops)
 attention_pairs: {about['attention_pairs']}     # pairs the calibrated attention backend computes (padded: gather + dense SDPA)

@@ -24,12 +24,16 @@ batches of few rows where the weight read does not bound them (a CPU: a decode r
 few-row GEMM costs about twice a row of a large one). Every ``c`` is >= 0: ``c_step`` / ``c_seq``
 are overheads in seconds, the others are 1 / efficiency against the datasheet.
 
-**Fitting** (``experiments.calibrate``): on one model the weight read is the same every step,
-so ``c_w * t_w`` cannot be told apart from ``c_step``; the fit sets ``c_w = 0`` (the max is then
-``c_lin * t_lin``) and solves the linear model ``t = X c`` for
-``c = (c_step, c_seq, c_lin, c_small, c_kv, c_attn)`` by non-negative least squares
-(``scipy.optimize.nnls``), on the measured step durations plus the median gap between
-back-to-back steps (the driver's own time, which a virtual clock must also pass).
+**Fitting** (``experiments.calibrate``): the ``max`` splits the steps into two regimes, so the fit
+searches the crossover: for every candidate row count ``r`` (and "none"), steps of at most ``r``
+rows are weight-bound (their row of the design matrix carries ``t_w`` and no GEMM terms), the
+others compute-bound (GEMM terms, no ``t_w``), and ``t = X c`` is solved for
+``c = (c_step, c_seq, c_lin, c_small, c_w, c_kv, c_attn)`` by non-negative least squares
+(``scipy.optimize.nnls``); the crossover with the smallest relative error wins. On one model the
+weight read is the same every step, so ``c_w`` is identified only by the contrast between the
+regimes; with no weight-bound steps it stays 0 and ``c_step`` holds the weight read. The targets
+are the measured step durations plus the median gap between back-to-back steps (the driver's own
+time, which a virtual clock must also pass).
 """
 from __future__ import annotations
 
@@ -44,8 +48,10 @@ from simulator import model_shapes
 from simulator.hardware import Hardware
 
 #: columns of the calibration design matrix, in order
-FIT_TERMS = ("step_overhead_s", "seq_overhead_s", "linear_time_scale", "small_batch_time_scale", "kv_time_scale",
-             "attention_time_scale")
+FIT_TERMS = ("step_overhead_s", "seq_overhead_s", "linear_time_scale", "small_batch_time_scale", "weight_time_scale",
+             "kv_time_scale", "attention_time_scale")
+_GEMM_COLUMNS = [FIT_TERMS.index("linear_time_scale"), FIT_TERMS.index("small_batch_time_scale")]
+_WEIGHT_COLUMN = FIT_TERMS.index("weight_time_scale")
 
 
 @dataclass(frozen=True)
@@ -53,6 +59,7 @@ class StepTerms:
     """Ideal times of one step at datasheet peaks (seconds), before coefficients."""
 
     num_seqs: int
+    num_rows: int
     linear_s: float
     small_batch_linear_s: float
     weights_s: float
@@ -61,7 +68,8 @@ class StepTerms:
 
     def fit_row(self) -> list[float]:
         """The calibration features, in :data:`FIT_TERMS` order."""
-        return [1.0, float(self.num_seqs), self.linear_s, self.small_batch_linear_s, self.kv_s, self.attention_s]
+        return [1.0, float(self.num_seqs), self.linear_s, self.small_batch_linear_s, self.weights_s, self.kv_s,
+                self.attention_s]
 
 
 class CostModel:
@@ -81,6 +89,7 @@ class CostModel:
         linear_s = shape.num_rows * self.linear_s_per_row + shape.num_sampled * self.lm_head_s_per_row
         return StepTerms(
             num_seqs=shape.num_seqs,
+            num_rows=shape.num_rows,
             linear_s=linear_s,
             small_batch_linear_s=linear_s if shape.num_rows <= self.hardware.small_batch_rows else 0.0,
             weights_s=self.weights_s,
@@ -132,9 +141,39 @@ def _nnls_relative(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return solution / norms
 
 
+def _regime_design(x: np.ndarray, weight_bound: np.ndarray) -> np.ndarray:
+    """The design matrix with each step on one side of the ``max``: weight-bound rows keep ``t_w``
+    and drop the GEMM terms, compute-bound rows the other way round."""
+    design = x.copy()
+    design[np.ix_(weight_bound, _GEMM_COLUMNS)] = 0.0
+    design[~weight_bound, _WEIGHT_COLUMN] = 0.0
+    return design
+
+
+def predict(x: np.ndarray, coefficients: np.ndarray) -> np.ndarray:
+    """Step times of the rows of ``x`` (:meth:`StepTerms.fit_row`) under ``coefficients``, with the
+    ``max`` of the module formula (what :meth:`CostModel.step_time` computes)."""
+    gemm = x[:, _GEMM_COLUMNS] @ coefficients[_GEMM_COLUMNS]
+    weights = x[:, _WEIGHT_COLUMN] * coefficients[_WEIGHT_COLUMN]
+    rest = [i for i in range(x.shape[1]) if i not in (*_GEMM_COLUMNS, _WEIGHT_COLUMN)]
+    return x[:, rest] @ coefficients[rest] + np.maximum(gemm, weights)
+
+
+def _fit_regimes(x: np.ndarray, y: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """NNLS at every crossover (steps of <= r rows weight-bound; r = 0: none); the best by relative error."""
+    best, best_error = None, np.inf
+    for crossover in [0, *np.unique(rows)[:-1]]:
+        coefficients = _nnls_relative(_regime_design(x, rows <= crossover), y)
+        error = float(np.sum(((predict(x, coefficients) - y) / y) ** 2))
+        if error < best_error:
+            best, best_error = coefficients, error
+    return best
+
+
 def fit_coefficients(terms: Sequence[StepTerms], seconds: Sequence[float], disturbed_ratio: float = 1.5,
                      rounds: int = 5) -> Fit:
-    """Non-negative least squares of ``seconds`` on the steps' :meth:`StepTerms.fit_row`.
+    """Non-negative least squares of ``seconds`` on the steps' :meth:`StepTerms.fit_row`, with the
+    roofline's crossover searched (module docstring).
 
     On a shared machine some steps are slowed by other processes (CPU steal: a 50 ms decode step
     that takes 1.5 s). Such noise only ever adds time, so after each fit the steps measured over
@@ -144,19 +183,19 @@ def fit_coefficients(terms: Sequence[StepTerms], seconds: Sequence[float], distu
     if len(terms) != len(seconds) or not terms:
         raise ValueError(f"need one duration per step and at least one step, got {len(terms)} and {len(seconds)}")
     x = np.array([t.fit_row() for t in terms], dtype=np.float64)
+    rows = np.array([t.num_rows for t in terms])
     y = np.asarray(seconds, dtype=np.float64)
     if (y <= 0).any():
         raise ValueError("step durations must be > 0")
     keep = np.ones(len(y), dtype=bool)
     for _ in range(rounds):
-        coefficients = _nnls_relative(x[keep], y[keep])
-        predicted = x @ coefficients
-        next_keep = y <= disturbed_ratio * predicted
+        coefficients = _fit_regimes(x[keep], y[keep], rows[keep])
+        next_keep = y <= disturbed_ratio * predict(x, coefficients)
         if next_keep.sum() < x.shape[1] or (next_keep == keep).all():
             break
         keep = next_keep
-    coefficients = _nnls_relative(x[keep], y[keep])
-    kept_y, kept_predicted = y[keep], x[keep] @ coefficients
+    coefficients = _fit_regimes(x[keep], y[keep], rows[keep])
+    kept_y, kept_predicted = y[keep], predict(x[keep], coefficients)
     total = ((kept_y - kept_y.mean()) ** 2).sum()
     r_squared = 1.0 - ((kept_y - kept_predicted) ** 2).sum() / total if total > 0 else 0.0
     return Fit(

@@ -7,7 +7,7 @@ import yaml
 
 from engine.config import CONF_DIR
 from engine.step_shape import StepShape, attention_runs, padded_pairs
-from simulator.cost_model import CostModel, fit_coefficients
+from simulator.cost_model import CostModel, fit_coefficients, predict
 from simulator.hardware import Hardware
 from simulator.llm import SimulatedLLM, kv_capacity_from_memory
 from simulator.model_shapes import model_config_for_costs, parameter_count
@@ -107,13 +107,37 @@ def test_nnls_recovers_known_coefficients_and_sets_aside_disturbed_steps():
         context = seqs * int(rng.integers(16, 400))
         shapes.append(shape(seqs=seqs, rows=rows, decode=seqs, sampled=seqs, context=context,
                             pairs=prefill * (prefill + 1) // 2))
-    truth = np.array([0.01, 0.0015, 0.4, 3.0, 2.0, 7.0])
+    truth = np.array([0.01, 0.0015, 0.4, 3.0, 0.0, 2.0, 7.0])  # no weight-bound regime (c_w = 0)
     seconds = np.array([model.terms(s).fit_row() for s in shapes]) @ truth
     seconds = seconds * rng.uniform(0.999, 1.001, size=len(seconds))  # timer-level noise
     seconds[::20] *= 10  # every 20th step disturbed by another process
     fit = fit_coefficients([model.terms(s) for s in shapes], seconds.tolist())
     assert fit.num_kept == 190 and fit.r_squared > 0.99
     assert np.allclose(list(fit.coefficients.values()), truth, rtol=0.05)
+
+
+def test_fit_finds_the_weight_bound_regime_of_small_batches():
+    """Steps priced by the formula's max (small decode batches wait for the weights, larger ones
+    for the math): the fit searches the crossover and recovers c_w beside the other coefficients."""
+    units = Hardware(name="units", peak_tflops=0.15, bandwidth_tbps=0.025, dtype_bytes=4, small_batch_rows=0)
+    model = CostModel(units, TINY)
+    per_row = model.linear_s_per_row + model.lm_head_s_per_row
+    c_lin = 0.4
+    c_w = c_lin * 10.5 * per_row / model.weights_s  # decode batches of <= 10 rows are weight-bound
+    truth = np.array([0.01, 0.0015, c_lin, 0.0, c_w, 2.0, 7.0])
+    rng = np.random.default_rng(1)
+    shapes = []
+    for _ in range(300):
+        seqs = int(rng.integers(1, 40))
+        prefill = int(rng.integers(1, 300)) if rng.random() < 0.3 else 0
+        shapes.append(shape(seqs=seqs, rows=seqs + prefill, decode=seqs, sampled=seqs,
+                            context=seqs * int(rng.integers(16, 400)), pairs=prefill * (prefill + 1) // 2))
+    x = np.array([model.terms(s).fit_row() for s in shapes])
+    seconds = predict(x, truth)
+    assert (x[:, 4] * c_w > x[:, 2] * c_lin).any() and (x[:, 4] * c_w < x[:, 2] * c_lin).any()  # both regimes occur
+    fit = fit_coefficients([model.terms(s) for s in shapes], seconds.tolist())
+    assert fit.r_squared > 0.999
+    assert np.allclose(list(fit.coefficients.values()), truth, rtol=0.02, atol=1e-6)
 
 
 def test_kv_capacity_from_memory_by_hand():
