@@ -65,8 +65,8 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     if bucket != rows:
         padded = x.new_zeros(bucket, x.shape[1])
         padded[:rows] = x
-        return torch.ops.mkldnn._linear_pointwise(padded, packed, bias, "none", [], "")[:rows]
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        x = padded
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")[:rows]
 
 
 class Linear(nn.Linear):

@@ -135,22 +135,23 @@ def calibrate(run_dirs: Sequence[Path], peak_tflops: float, bandwidth_tbps: floa
 
     ``small_batch_rows``: the few-row GEMM limit; ``None`` takes the one each run recorded (all
     runs must agree), a number overrides it (runs made before it was recorded)."""
-    configs, limits, terms, seconds = [], [], [], []
+    configs, pairs, limits, terms, seconds = [], [], [], [], []
     for run_dir in run_dirs:
         cfg, steps = load_run(Path(run_dir))
         configs.append(cfg)
+        pairs.append(attention_pairs(cfg))
         limits.append(run_small_batch_rows(Path(run_dir), cfg, small_batch_rows))
         if cfg["model"].get("hf_config") != configs[0]["model"].get("hf_config"):
             raise ValueError(f"{run_dir} ran model {cfg['model'].get('name')!r}, not {configs[0]['model'].get('name')!r}: "
                              "calibrate one model at a time")
-        if attention_pairs(cfg) != attention_pairs(configs[0]):
-            raise ValueError(f"{run_dir} ran a {attention_pairs(cfg)}-pairs attention backend, the first run a "
-                             f"{attention_pairs(configs[0])} one: calibrate one kind of attention kernel at a time")
+        if pairs[-1] != pairs[0]:
+            raise ValueError(f"{run_dir} ran a {pairs[-1]}-pairs attention backend, the first run a "
+                             f"{pairs[0]} one: calibrate one kind of attention kernel at a time")
         if limits[-1] != limits[0]:
             raise ValueError(f"{run_dir} ran linears of <= {limits[-1]} rows on the skinny GEMM, the first run "
                              f"<= {limits[0]}: calibrate runs of one engine build at a time")
         units = Hardware(name="units", peak_tflops=peak_tflops, bandwidth_tbps=bandwidth_tbps,
-                         dtype_bytes=DTYPE_BYTES.get(cfg.get("dtype"), 4), attention_pairs=attention_pairs(cfg),
+                         dtype_bytes=DTYPE_BYTES.get(cfg.get("dtype"), 4), attention_pairs=pairs[-1],
                          small_batch_rows=limits[-1])
         model = CostModel(units, model_config_for_costs(hf_config_of(cfg["model"])[0]))
         terms += [model.terms(shape) for shape in step_shapes(steps)]
@@ -159,7 +160,7 @@ def calibrate(run_dirs: Sequence[Path], peak_tflops: float, bandwidth_tbps: floa
     attention = first["_backend"]["attention_backend"] or (first.get("attention") or {}).get("_target_")
     about = {"model": first["model"].get("name"), "dtype": first.get("dtype"),
              "dtype_bytes": DTYPE_BYTES.get(first.get("dtype"), 4), "device": first.get("device"),
-             "attention": attention, "attention_pairs": attention_pairs(first),
+             "attention": attention, "attention_pairs": pairs[0],
              "small_batch_rows": limits[0],
              "engine": first.get("engine")}
     return fit_coefficients(terms, seconds, DISTURBED_RATIO), first["model"], about

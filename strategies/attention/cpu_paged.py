@@ -80,8 +80,25 @@ class CpuPagedBackend:
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        """Attention of ``query [T, Hq, D]`` over each sequence's context -> ``[T, Hq, D]``."""
-        return self.attend(query, key, value, k_cache, v_cache, metadata, scale)
+        """Write the new K/V, then attention of ``query [T, Hq, D]`` over each sequence's context (each
+        query row up to its causal end) -> ``[T, Hq, D]``."""
+        query, key, value = self.checked_inputs(query, key, value, k_cache, v_cache)
+        num_tokens, num_heads, head_dim = query.shape
+        num_kv_heads = k_cache.shape[2]
+        slot_mapping, block_tables, context_lens, query_start_loc = metadata.cached(
+            "cpu_paged.ints", lambda: _kernel_ints(metadata)
+        )
+        out = torch.empty(num_tokens, num_heads, head_dim, dtype=query.dtype)
+        status = self._paged_attention(
+            query.data_ptr(), query.stride(0), key.data_ptr(), value.data_ptr(), key.stride(0),
+            slot_mapping.data_ptr(), num_tokens, k_cache.data_ptr(), v_cache.data_ptr(),
+            block_tables.data_ptr(), block_tables.stride(0), context_lens.data_ptr(), query_start_loc.data_ptr(),
+            metadata.num_seqs, num_heads, num_kv_heads, head_dim, metadata.block_size,
+            scale, out.data_ptr(), out.stride(0),
+        )
+        if status != 0:
+            raise RuntimeError(f"{self.name} kernel failed with status {status}")
+        return out
 
     def checked_inputs(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
@@ -104,32 +121,3 @@ class CpuPagedBackend:
         if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
             raise ValueError(f"{self.name}: the KV caches must be contiguous tensors")
         return query, key, value
-
-    def attend(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:
-        """Write the new K/V, then attend (each query row to its sequence's keys up to its causal end)."""
-        query, key, value = self.checked_inputs(query, key, value, k_cache, v_cache)
-        num_tokens, num_heads, head_dim = query.shape
-        num_kv_heads = k_cache.shape[2]
-        slot_mapping, block_tables, context_lens, query_start_loc = metadata.cached(
-            "cpu_paged.ints", lambda: _kernel_ints(metadata)
-        )
-        out = torch.empty(num_tokens, num_heads, head_dim, dtype=query.dtype)
-        status = self._paged_attention(
-            query.data_ptr(), query.stride(0), key.data_ptr(), value.data_ptr(), key.stride(0),
-            slot_mapping.data_ptr(), num_tokens, k_cache.data_ptr(), v_cache.data_ptr(),
-            block_tables.data_ptr(), block_tables.stride(0), context_lens.data_ptr(), query_start_loc.data_ptr(),
-            metadata.num_seqs, num_heads, num_kv_heads, head_dim, metadata.block_size,
-            scale, out.data_ptr(), out.stride(0),
-        )
-        if status != 0:
-            raise RuntimeError(f"{self.name} kernel failed with status {status}")
-        return out

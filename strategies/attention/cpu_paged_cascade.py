@@ -171,13 +171,13 @@ class CpuPagedCascadeBackend(CpuPagedBackend):
         scale: float,
     ) -> torch.Tensor:
         if not metadata.is_decode_only or metadata.num_seqs < self.min_group_size:
-            return self.attend(query, key, value, k_cache, v_cache, metadata, scale)
+            return super().forward(query, key, value, k_cache, v_cache, metadata, scale)
         plan = metadata.cached(
             ("cpu_paged_cascade.plan", self.min_group_size, self.min_shared_tokens),
             lambda: plan_groups(metadata, self.min_group_size, self.min_shared_tokens),
         )
         if not plan.groups:
-            return self.attend(query, key, value, k_cache, v_cache, metadata, scale)
+            return super().forward(query, key, value, k_cache, v_cache, metadata, scale)
         query, key, value = self.checked_inputs(query, key, value, k_cache, v_cache)
         num_tokens, num_heads, head_dim = query.shape
         num_kv_heads = k_cache.shape[2]
