@@ -9,8 +9,10 @@ sets ``TRITON_INTERPRET=1`` for the session on machines without CUDA (only trito
 from __future__ import annotations
 
 import importlib.util
+import ctypes
 import math
 import os
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +23,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from engine import native
 from engine.attention_metadata import AttentionMetadata
 from engine.interfaces.attention import AttentionBackend
 from strategies.attention.cpu_paged import CpuPagedBackend
@@ -174,6 +177,36 @@ def test_cpu_paged_reads_strided_qkv_views_and_long_contexts() -> None:
     assert not query.is_contiguous()
     step.query, step.key, step.value = query, key, value
     check_backend(CpuPagedBackend(), step)
+
+
+def cpu_paged_builds(tmp_path) -> dict[str, CpuPagedBackend]:
+    """``cpu_paged`` as the engine builds it (``-march=native``) and, on x86, its kernel built
+    without AVX-512: 8 lanes and a register tile of 2 query vectors instead of 16 lanes and 4, the
+    code the project's AVX2 machines run, which an AVX-512 machine would otherwise never test."""
+    builds = {"native": CpuPagedBackend()}
+    library = tmp_path / "paged_attention_no_avx512.so"
+    command = [native._compiler(), *native.CFLAGS, "-mno-avx512f", f"-I{native.SOURCE_DIR}",
+               str(native.SOURCE_DIR / "paged_attention.c"), "-o", str(library), "-lm"]
+    if subprocess.run(command, capture_output=True).returncode == 0:  # not x86: no such flag
+        backend = CpuPagedBackend()
+        function = ctypes.CDLL(str(library)).paged_attention_f32
+        function.argtypes, function.restype = backend._paged_attention.argtypes, backend._paged_attention.restype
+        backend._paged_attention = function
+        builds["no_avx512"] = backend
+    return builds
+
+
+def test_cpu_paged_register_tiles_and_edges(tmp_path) -> None:
+    """Both builds over what the kernel's tiling must get right: query heads per KV head of 1-7
+    (register tiles of up to 4 (2) queries, and their remainders), head_dim a multiple of the
+    vector width or not (the rest one dim at a time), contexts across the 256-key softmax chunk
+    (255-257 keys, 600 keys), decode rows and prefill chunks with their causal mask."""
+    shapes = [((4, 4), 16), ((6, 2), 64), ((14, 2), 64), ((8, 2), 12), ((5, 1), 20), ((9, 3), 80)]
+    seqs = [(254, 1), (255, 1), (256, 1), (600, 1), (0, 9), (250, 12)]
+    for name, backend in cpu_paged_builds(tmp_path).items():
+        for (num_heads, num_kv_heads), head_dim in shapes:
+            step = make_step(seqs, 16, num_heads, num_kv_heads, head_dim=head_dim, seed=head_dim)
+            check_backend(backend, step)
 
 
 def test_cpu_paged_rejects_what_it_cannot_run() -> None:

@@ -5,11 +5,19 @@
  * query tokens) with the query vectors of every head of those tokens. A cache slot holds the
  * K (or V) rows of all KV heads side by side, so an item reads whole contiguous slots, page by
  * page, and each K/V row serves all G query heads that share it (grouped-query attention
- * without copying KV heads). The item walks the context in tiles of KEY_TILE positions (slot of
- * position t = block_tables[seq][t / block_size] * block_size + t % block_size) with an online
- * softmax: running max m, running sum l, accumulator rescaled when m grows.
- * Query token j of a sequence with query_len q and context_len c sits at position c - q + j and
- * sees keys 0..c - q + j (causal); decode (q = 1), prefill and chunked prefill are one path.
+ * without copying KV heads). Slot of position t = block_tables[seq][t / block_size] * block_size
+ * + t % block_size. Query token j of a sequence with query_len q and context_len c sits at
+ * position c - q + j and sees keys 0..c - q + j (causal); decode (q = 1), prefill and chunked
+ * prefill are one path.
+ *
+ * The arithmetic is laid out for the vector unit (LANES floats, lanes.h): a tile of LANES keys is
+ * scored as LANES vectors of per-dim partial products, which lane_sums turns into one vector of
+ * scores (no horizontal sum per key), with each key vector loaded once for up to SHARE query
+ * vectors of its KV head; the softmax runs once per chunk of KEY_CHUNK keys (running max and
+ * sum, accumulators rescaled: an online softmax across chunks); the values are accumulated
+ * with a SHARE x DIM_SLICE register tile over the whole chunk, each value vector loaded once
+ * for the SHARE queries. The K / V lines are requested one tile ahead, a KV head at a time, so
+ * that the requests trickle out while the tile computes (docs/performance.md, section 11).
  * Items are independent and run in parallel on the OpenMP runtime that torch already loaded
  * (same libgomp soname), so the kernel shares torch's threads instead of starting a second pool.
  *
@@ -17,128 +25,206 @@
  */
 #include <stdlib.h>
 
-#include "common.h"
+#include "lanes.h"
 
 #define MAX_VECTORS 64  /* query vectors per item: tokens per item * num_heads <= MAX_VECTORS */
 #define MAX_HEAD_DIM 256
-#define KEY_TILE 16     /* keys scored together before one softmax update (a multiple of 8) */
+#define KEY_CHUNK 256   /* keys scored before one softmax update (their scores stay in L1) */
+#define PREFETCH_TILES 1 /* how far ahead (in key tiles) the K / V lines are requested */
+#if LANES == 16
+#define SHARE 4 /* query vectors of one KV head that share each K / V row load (32 registers) */
+#else
+#define SHARE 2 /* (16 registers) */
+#endif
+#define DIM_SLICE 4 /* vectors of head dims accumulated in registers in one pass over the values */
 
+/* Calls `call(n)` with n = the run-time `count` (1 .. SHARE) as a compile-time constant, so that
+ * each always-inline kernel below is specialised with its register arrays fully unrolled. */
+#if SHARE == 4
+#define WITH_SHARE(count, call) \
+    switch (count) { case 1: call(1); break; case 2: call(2); break; case 3: call(3); break; default: call(4); }
+#else
+#define WITH_SHARE(count, call) \
+    switch (count) { case 1: call(1); break; default: call(2); }
+#endif
+
+/* Scores of n query vectors (rows of q, MAX_HEAD_DIM apart, all of the KV head the key rows point
+ * at) against the LANES keys keys[0..LANES): out[s] lane j = q_s . k_j. Per group of four keys,
+ * 4 n accumulators of per-dim partial products (each key vector loaded once for the n queries,
+ * four independent FMA chains per query), then one lane_sums per query turns 16 (8) vectors of
+ * partials into one vector of scores. */
+static inline __attribute__((always_inline)) void score_keys(
+    int n, const float *q, const float *const *keys, int64_t full, int64_t head_dim, vf *out) {
+    vf partial[SHARE][LANES];
+    for (int j = 0; j < LANES; j += 4) {
+        vf a[SHARE][4];
+        for (int s = 0; s < n; ++s) a[s][0] = a[s][1] = a[s][2] = a[s][3] = (vf){0};
+        for (int64_t d = 0; d < full; d += LANES) {
+            const vf k0 = load_vf(keys[j] + d), k1 = load_vf(keys[j + 1] + d);
+            const vf k2 = load_vf(keys[j + 2] + d), k3 = load_vf(keys[j + 3] + d);
+            for (int s = 0; s < n; ++s) {
+                const vf qv = load_vf(q + s * MAX_HEAD_DIM + d);
+                a[s][0] = vfma(qv, k0, a[s][0]), a[s][1] = vfma(qv, k1, a[s][1]);
+                a[s][2] = vfma(qv, k2, a[s][2]), a[s][3] = vfma(qv, k3, a[s][3]);
+            }
+        }
+        for (int s = 0; s < n; ++s)
+            partial[s][j] = a[s][0], partial[s][j + 1] = a[s][1], partial[s][j + 2] = a[s][2], partial[s][j + 3] = a[s][3];
+    }
+    for (int s = 0; s < n; ++s) {
+        vf scores = lane_sums(partial[s]);
+        if (full < head_dim) /* a head_dim that is not a multiple of LANES: the rest one by one */
+            for (int j = 0; j < LANES; ++j) scores[j] += dot(q + s * MAX_HEAD_DIM + full, keys[j] + full, head_dim - full);
+        out[s] = scores;
+    }
+}
+
+/* acc_s[0 .. width * LANES) = acc_s * correction[s] + sum_j p_s[j] v_j for n query vectors (acc and p
+ * rows MAX_HEAD_DIM and KEY_CHUNK apart; acc already offset to dim d) and the `count` value rows
+ * values[j] (offset to the KV head) from dim d on: the n x width accumulators stay in registers over all keys, and
+ * each value vector is loaded once for the n queries. */
+static inline __attribute__((always_inline)) void accumulate_values(
+    int n, int width, const float *p, const float *const *values, int64_t d, int64_t count,
+    const float *correction, float *acc) {
+    vf a[SHARE][DIM_SLICE];
+    for (int s = 0; s < n; ++s)
+        for (int c = 0; c < width; ++c) a[s][c] = load_vf(acc + s * MAX_HEAD_DIM + c * LANES) * correction[s];
+    for (int64_t j = 0; j < count; ++j) {
+        vf v[DIM_SLICE];
+        for (int c = 0; c < width; ++c) v[c] = load_vf(values[j] + d + c * LANES);
+        for (int s = 0; s < n; ++s) {
+            const vf weight = vbroadcast(p[s * KEY_CHUNK + j]);
+            for (int c = 0; c < width; ++c) a[s][c] = vfma(weight, v[c], a[s][c]);
+        }
+    }
+    for (int s = 0; s < n; ++s)
+        for (int c = 0; c < width; ++c) memcpy(acc + s * MAX_HEAD_DIM + c * LANES, &a[s][c], sizeof(vf));
+}
+
+static inline void prefetch_row(const float *row, int64_t floats) {
+    for (int64_t line = 0; line < floats; line += 16) __builtin_prefetch(row + line);
+}
+
+/* One work item: query rows first_row .. first_row + num_rows - 1 of one sequence, all heads.
+ * Query vector v = (KV head h, row r, head in group g) sits at v = h * num_rows * group + r *
+ * group + g, so the vectors sharing a KV head are consecutive and share every K / V row load in
+ * groups of SHARE. Keys are taken in chunks of KEY_CHUNK: all scores of a chunk (tile by tile of
+ * LANES keys, every KV head of a key tile while its slots are in L1), one softmax update per
+ * vector (running max and sum, accumulators rescaled), then the values. */
 static void attend_item(
     const float *query, int64_t query_token_stride, const float *k_cache, const float *v_cache,
     const int32_t *block_table, int64_t context_len, int64_t query_len, int64_t first_row,
     int64_t num_rows, int64_t query_start, int64_t num_heads, int64_t num_kv_heads,
     int64_t head_dim, int64_t block_size, float scale, float *out, int64_t out_token_stride) {
-    const int64_t group = num_heads / num_kv_heads;
+    const int64_t group = num_heads / num_kv_heads, per_kv = num_rows * group;
     const int64_t num_vectors = num_rows * num_heads;
-    float q[MAX_VECTORS][MAX_HEAD_DIM];
-    float acc[MAX_VECTORS][MAX_HEAD_DIM];
-    float running_max[MAX_VECTORS], running_sum[MAX_VECTORS];
-    float scores[MAX_VECTORS][KEY_TILE];
-    int64_t last_key[MAX_VECTORS];
-    int64_t kv_offset[MAX_VECTORS]; /* offset of the vector's KV head inside a slot's row */
     const int64_t slot_stride = num_kv_heads * head_dim; /* floats between consecutive slots */
-
-    for (int64_t r = 0; r < num_rows; ++r) {
-        const int64_t token = query_start + first_row + r;
-        for (int64_t h = 0; h < num_heads; ++h) {
-            const int64_t v = r * num_heads + h;
-            const float *src = query + token * query_token_stride + h * head_dim;
-            for (int64_t d = 0; d < head_dim; ++d) q[v][d] = src[d] * scale;
-            kv_offset[v] = (h / group) * head_dim;
-            memset(acc[v], 0, sizeof(float) * head_dim);
-            running_max[v] = -INFINITY;
-            running_sum[v] = 0.0f;
-            last_key[v] = context_len - query_len + first_row + r;
-        }
+    const int64_t full = head_dim / LANES * LANES;       /* dims covered by whole vectors */
+    float q[MAX_VECTORS][MAX_HEAD_DIM], acc[MAX_VECTORS][MAX_HEAD_DIM];
+    float scores[MAX_VECTORS][KEY_CHUNK];
+    float running_max[MAX_VECTORS], running_sum[MAX_VECTORS], correction[MAX_VECTORS];
+    int64_t last_key[MAX_VECTORS], rows[KEY_CHUNK];
+    vi lane;
+    for (int i = 0; i < LANES; ++i) lane[i] = i;
+    /* The first tiles' lines, before the queries are set up (later tiles: see the tile loop). */
+    for (int64_t position = 0; position < PREFETCH_TILES * LANES && position < context_len; ++position) {
+        const int64_t row = ((int64_t)block_table[position / block_size] * block_size + position % block_size) * slot_stride;
+        prefetch_row(k_cache + row, slot_stride);
+        prefetch_row(v_cache + row, slot_stride);
     }
-    const int64_t keys = last_key[num_vectors - 1] + 1; /* the chunk's last token sees the most */
-    for (int64_t tile_start = 0; tile_start < keys; tile_start += KEY_TILE) {
-        const int64_t tile_len = keys - tile_start < KEY_TILE ? keys - tile_start : KEY_TILE;
-        const float *key_rows[KEY_TILE], *value_rows[KEY_TILE];
-        for (int64_t j = 0; j < tile_len; ++j) {
-            const int64_t position = tile_start + j;
-            const int64_t slot = (int64_t)block_table[position / block_size] * block_size + position % block_size;
-            key_rows[j] = k_cache + slot * slot_stride;
-            value_rows[j] = v_cache + slot * slot_stride;
+
+    for (int64_t v = 0; v < num_vectors; ++v) {
+        const int64_t kv_head = v / per_kv, r = v % per_kv / group, head = kv_head * group + v % group;
+        const float *src = query + (query_start + first_row + r) * query_token_stride + head * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) q[v][d] = src[d] * scale, acc[v][d] = 0.0f;
+        running_max[v] = -INFINITY, running_sum[v] = 0.0f;
+        last_key[v] = context_len - query_len + first_row + r;
+    }
+    const int64_t keys = context_len - query_len + first_row + num_rows; /* the item's last row sees the most */
+    for (int64_t chunk = 0; chunk < keys; chunk += KEY_CHUNK) {
+        const int64_t chunk_len = keys - chunk < KEY_CHUNK ? keys - chunk : KEY_CHUNK;
+        const int64_t tiles = (chunk_len + LANES - 1) / LANES;
+        for (int64_t j = 0; j < tiles * LANES; ++j) { /* lanes past the chunk re-read its first key (masked) */
+            const int64_t position = chunk + (j < chunk_len ? j : 0);
+            rows[j] = ((int64_t)block_table[position / block_size] * block_size + position % block_size) * slot_stride;
         }
-        /* Later tiles' slots sit in other pages (blocks) somewhere in the cache, which defeats the
-         * hardware prefetcher at every block boundary: software prefetches ask for their K/V
-         * lines ahead of use. The first tile asks for the whole second tile here; after that,
-         * the value loop below asks for the tile after next, one key per value row, so the
-         * requests trickle out while this tile computes instead of flooding the load queue in
-         * one burst (1.4-1.5x faster per call than one burst per tile: docs/performance.md, 10). */
-        const int64_t next_end = tile_start != 0 ? 0 : keys - KEY_TILE < KEY_TILE ? keys - KEY_TILE : KEY_TILE;
-        for (int64_t j = 0; j < next_end; ++j) {
-            const int64_t position = tile_start + KEY_TILE + j;
-            const int64_t slot = (int64_t)block_table[position / block_size] * block_size + position % block_size;
-            for (int64_t line = 0; line < slot_stride; line += 16) {
-                __builtin_prefetch(k_cache + slot * slot_stride + line);
-                __builtin_prefetch(v_cache + slot * slot_stride + line);
-            }
-        }
-        for (int64_t v = 0; v < num_vectors; ++v) {
-            const int64_t visible = last_key[v] - tile_start + 1; /* keys of this tile the vector sees */
-            const int64_t count = visible < tile_len ? visible : tile_len;
-            if (count <= 0) {
-                for (int64_t j = 0; j < tile_len; ++j) scores[v][j] = 0.0f;
-                continue;
-            }
-            float tile_max = -INFINITY;
-            int64_t j = 0;
-            if (head_dim % 8 == 0) {
-                const int64_t offset = kv_offset[v];
-                for (; j + 4 <= count; j += 4)
-                    dot4(q[v], key_rows[j] + offset, key_rows[j + 1] + offset, key_rows[j + 2] + offset,
-                         key_rows[j + 3] + offset, head_dim, scores[v] + j);
-            }
-            for (; j < count; ++j) scores[v][j] = dot(q[v], key_rows[j] + kv_offset[v], head_dim);
-            for (j = 0; j < count; ++j) tile_max = scores[v][j] > tile_max ? scores[v][j] : tile_max;
-            const float new_max = tile_max > running_max[v] ? tile_max : running_max[v];
-            const float correction = expf(running_max[v] - new_max); /* 0 on the first tile */
-            float *row = scores[v];
-            for (int64_t j = count; j < KEY_TILE; ++j) row[j] = -INFINITY; /* masked: exp8 gives ~0 */
-            float tile_sum = 0.0f;
-            for (int64_t j = 0; j < KEY_TILE; j += 8) {
-                f32x8 weights = exp8(load8(row + j) - new_max);
-                weights = select8(load8(row + j) == -INFINITY + (f32x8){0}, (f32x8){0}, weights);
-                store8(row + j, weights);
-                for (int64_t lane = 0; lane < 8; ++lane) tile_sum += weights[lane];
-            }
-            running_sum[v] = running_sum[v] * correction + tile_sum;
-            running_max[v] = new_max;
-            if (correction != 1.0f) {
-#pragma omp simd
-                for (int64_t d = 0; d < head_dim; ++d) acc[v][d] *= correction;
-            }
-        }
-        /* Value rows outer: each V row is read once for all query vectors of the item. */
-        for (int64_t j = 0; j < tile_len; ++j) {
-            const int64_t ahead = tile_start + 2 * KEY_TILE + j; /* key j of the tile after next */
-            if (ahead < keys) {
-                const int64_t slot = (int64_t)block_table[ahead / block_size] * block_size + ahead % block_size;
-                for (int64_t line = 0; line < slot_stride; line += 16) {
-                    __builtin_prefetch(k_cache + slot * slot_stride + line);
-                    __builtin_prefetch(v_cache + slot * slot_stride + line);
+        for (int64_t tile = 0; tile < tiles; ++tile) {
+            const int64_t first = tile * LANES, tile_start = chunk + first;
+            for (int64_t h = 0; h < num_kv_heads; ++h) {
+                /* Slots sit in pages (blocks) scattered over the cache, which stops the hardware
+                 * prefetcher at every block boundary: while this KV head of the tile is scored, ask
+                 * for its K and V lines PREFETCH_TILES tiles ahead, so the requests trickle out. */
+                for (int64_t position = tile_start + PREFETCH_TILES * LANES; position < tile_start + (PREFETCH_TILES + 1) * LANES && position < keys; ++position) {
+                    const int64_t row = ((int64_t)block_table[position / block_size] * block_size + position % block_size) * slot_stride + h * head_dim;
+                    prefetch_row(k_cache + row, head_dim);
+                    prefetch_row(v_cache + row, head_dim);
+                }
+                const float *key_rows[LANES];
+                for (int j = 0; j < LANES; ++j) key_rows[j] = k_cache + rows[first + j] + h * head_dim;
+                for (int64_t v0 = h * per_kv; v0 < (h + 1) * per_kv; v0 += SHARE) {
+                    const int n = (h + 1) * per_kv - v0 < SHARE ? (int)((h + 1) * per_kv - v0) : SHARE;
+                    vf tile_scores[SHARE];
+#define SCORE(N) score_keys(N, q[v0], key_rows, full, head_dim, tile_scores)
+                    WITH_SHARE(n, SCORE)
+#undef SCORE
+                    for (int s = 0; s < n; ++s) { /* causal and chunk-end mask: -inf */
+                        int64_t visible = last_key[v0 + s] - tile_start + 1;
+                        visible = visible < chunk_len - first ? visible : chunk_len - first;
+                        const vf masked = vselect(lane < (vi){0} + (int32_t)(visible > 0 ? visible : 0), tile_scores[s],
+                                                  (vf){0} - INFINITY);
+                        memcpy(scores[v0 + s] + first, &masked, sizeof masked);
+                    }
                 }
             }
-            for (int64_t v = 0; v < num_vectors; ++v) {
-                const float p = scores[v][j];
-                if (p == 0.0f) continue;
-                const float *value = value_rows[j] + kv_offset[v];
-                float *a = acc[v];
-#pragma omp simd
-                for (int64_t d = 0; d < head_dim; ++d) a[d] += p * value[d];
+        }
+        /* Online softmax: each vector's chunk max (a vector with no visible key here keeps its max:
+         * correction 1, all weights 0; the first chunk always holds key 0, visible to all). */
+        for (int64_t v = 0; v < num_vectors; ++v) {
+            vf top = load_vf(scores[v]);
+            for (int64_t first = LANES; first < tiles * LANES; first += LANES) top = vmax(top, load_vf(scores[v] + first));
+            const float chunk_max = lane_max(top);
+            const float new_max = chunk_max > running_max[v] ? chunk_max : running_max[v];
+            vf sum = {0};
+            for (int64_t first = 0; first < tiles * LANES; first += LANES) {
+                const vf s = load_vf(scores[v] + first);
+                const vf weights = vselect(s == (vf){0} - INFINITY, (vf){0}, vexp(s - new_max));
+                memcpy(scores[v] + first, &weights, sizeof weights);
+                sum += weights;
+            }
+            correction[v] = expf(running_max[v] - new_max); /* 0 on the first chunk */
+            running_sum[v] = running_sum[v] * correction[v] + lane_sum(sum);
+            running_max[v] = new_max;
+        }
+        for (int64_t h = 0; h < num_kv_heads; ++h) {
+            const float *value_rows[KEY_CHUNK];
+            for (int64_t j = 0; j < chunk_len; ++j) value_rows[j] = v_cache + rows[j] + h * head_dim;
+            for (int64_t v0 = h * per_kv; v0 < (h + 1) * per_kv; v0 += SHARE) {
+                const int n = (h + 1) * per_kv - v0 < SHARE ? (int)((h + 1) * per_kv - v0) : SHARE;
+                int64_t d = 0;
+#define VALUES(N) accumulate_values(N, width, scores[v0], value_rows, d, chunk_len, correction + v0, acc[v0] + d)
+                for (; d + DIM_SLICE * LANES <= full; d += DIM_SLICE * LANES) {
+                    const int width = DIM_SLICE;
+                    WITH_SHARE(n, VALUES)
+                }
+                for (; d < full; d += LANES) { /* fewer than DIM_SLICE vectors of dims left */
+                    const int width = 1;
+                    WITH_SHARE(n, VALUES)
+                }
+#undef VALUES
+                for (int s = 0; s < n; ++s) /* the rest of a head_dim that is not a multiple of LANES */
+                    for (int64_t dim = full; dim < head_dim; ++dim) {
+                        float sum = acc[v0 + s][dim] * correction[v0 + s];
+                        for (int64_t j = 0; j < chunk_len; ++j) sum += scores[v0 + s][j] * value_rows[j][dim];
+                        acc[v0 + s][dim] = sum;
+                    }
             }
         }
     }
-    for (int64_t r = 0; r < num_rows; ++r) {
-        const int64_t token = query_start + first_row + r;
-        for (int64_t h = 0; h < num_heads; ++h) {
-            const int64_t v = r * num_heads + h;
-            float *dst = out + token * out_token_stride + h * head_dim;
-            const float inverse = 1.0f / running_sum[v];
-            for (int64_t d = 0; d < head_dim; ++d) dst[d] = acc[v][d] * inverse;
-        }
+    for (int64_t v = 0; v < num_vectors; ++v) {
+        const int64_t kv_head = v / per_kv, r = v % per_kv / group, head = kv_head * group + v % group;
+        float *dst = out + (query_start + first_row + r) * out_token_stride + head * head_dim;
+        const float inverse = 1.0f / running_sum[v];
+        for (int64_t d = 0; d < head_dim; ++d) dst[d] = acc[v][d] * inverse;
     }
 }
 

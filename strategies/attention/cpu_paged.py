@@ -9,10 +9,12 @@ each key position ``t`` to ``block_tables[seq, t // block_size]`` and reads that
 where they lie. Memory traffic per layer is one read of the context, nothing is written but the
 output, and ragged batches need no padding (each sequence attends over its own length).
 
-Work split (``csrc/paged_attention.c``): one item per (sequence, KV head, chunk of query
-tokens); an item holds the queries of all ``G`` heads sharing its KV head, so each K/V row is
-read once per group; online softmax over tiles of 16 keys. Decode, prefill, chunked prefill and
-prefix-cached prefill are one causal code path.
+Work split (``csrc/paged_attention.c``): one item per (sequence, chunk of query tokens) with
+all its heads, so each K/V slot (all KV heads side by side) is read once and serves the ``G``
+query heads of each KV head; scores of a tile of 16 keys (8 with AVX2) come out as one vector
+(lane sums, no per-key horizontal sum), one online-softmax update per chunk of 256 keys, values
+accumulated in a register tile. Decode, prefill, chunked prefill and prefix-cached prefill are
+one causal code path.
 
 Float32 on CPU only (the kernel's arithmetic is float32, like SDPA's CPU kernel for float32);
 the kernel is compiled with the machine's C compiler on first use (``engine/native.py``). The
