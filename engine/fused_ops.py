@@ -34,6 +34,11 @@ class FusedOps:
         self._silu_and_mul = native.function("fused_ops", "silu_and_mul_f32", [_P, _I64, _I64, _P])
         self._rope = native.function("fused_ops", "rope_f32", [_P, _I64, _I64, _I64, _I64, _P, _P])
 
+    def addresses(self) -> tuple[int, int, int]:
+        """The C functions ``add_rms_norm_f32``, ``rope_f32`` and ``silu_and_mul_f32`` (addresses), for
+        callers that run them from C (:mod:`engine.native_layers`)."""
+        return tuple(ctypes.cast(f, ctypes.c_void_p).value for f in (self._add_rms_norm, self._rope, self._silu_and_mul))
+
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -30,6 +30,7 @@ from engine.config import engine_config, instantiate_strategy
 from engine.detokenizer import IncrementalDetokenizer
 from engine.device import resolve_device, resolve_dtype
 from engine.fused_ops import FusedOps
+from engine.native_layers import NativeLayers
 from engine.loader import checkpoint_for_spec, load_model
 from engine.model import onednn_linear_supported
 from engine.model_config import ModelConfig
@@ -88,7 +89,10 @@ class LLM:
         fused_ops: performance option. ``"auto"`` (default) runs add + RMSNorm, RoPE and
             SiLU-and-multiply as fused C kernels (:mod:`engine.fused_ops`, compiled on first use)
             when running float32 on a CPU and a C compiler is found (else the eager PyTorch ops,
-            with a warning); ``True`` requires them, ``False`` keeps the eager ops.
+            with a warning); ``True`` requires them, ``False`` keeps the eager ops. With the
+            skinny GEMM too (``prepack``), steps of at most its row limit also run each decoder
+            layer as one C call of the same kernels (:mod:`engine.native_layers`) when the
+            attention backend offers its kernel (``cpu_paged``).
         keep_freed_memory: performance option. ``"auto"`` (default) tunes glibc's ``malloc``
             on CPU runs to keep freed activation buffers in the process instead of returning
             and re-faulting them every step (:mod:`engine.host_memory`; process-wide; the process
@@ -225,6 +229,8 @@ class LLM:
             warnings.warn(f"fused_ops=auto: {error}; running the eager PyTorch ops instead", stacklevel=2)
             return False
         self.model.use_fused_ops(ops)
+        if self.skinny_gemm_max_rows > 0:  # every linear has a C kernel: decode-sized steps run layers in C
+            self.model.use_native_layers(NativeLayers(self.model, ops))
         return True
 
     def apply_keep_freed_memory(self, keep: bool | str) -> bool:

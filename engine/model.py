@@ -29,7 +29,9 @@ from torch import nn
 
 from engine.attention_metadata import AttentionMetadata
 from engine.fused_ops import FusedOps
+from engine.host_memory import huge_page_empty
 from engine.model_config import ModelConfig
+from engine.native_layers import NativeLayers, NativeLinear
 from engine.skinny_gemm import SkinnyGemm
 from engine.interfaces.attention import AttentionBackend
 
@@ -87,6 +89,15 @@ class Linear(nn.Linear):
     skinny: torch.Tensor | None = None
     skinny_gemm: SkinnyGemm | None = None
     skinny_max_rows: int = 0
+
+    def native_kernel(self) -> NativeLinear | None:
+        """This linear as a C function (its skinny GEMM and panels), for callers that run whole layers
+        in C (:mod:`engine.native_layers`); ``None`` when it has none. A linear with another C kernel
+        (a quantized GEMV) plugs into those callers by returning its own here."""
+        if self.skinny is None:
+            return None
+        bias = None if self.bias is None else self.bias.data_ptr()
+        return NativeLinear(self.skinny_gemm.address, self.skinny.data_ptr(), bias, self.skinny_max_rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2:
@@ -310,6 +321,12 @@ class CausalLM(nn.Module):
         self.logits_skinny: torch.Tensor | None = None
         self.logits_skinny_gemm: SkinnyGemm | None = None
         self.fused_ops: FusedOps | None = None
+        self.native_layers: NativeLayers | None = None
+
+    def use_native_layers(self, native_layers: NativeLayers | None) -> None:
+        """Run the decoder layers of decode-sized steps as one C call each (:mod:`engine.native_layers`:
+        the same kernels as the Python layers, called from C), or always in Python (``None``)."""
+        self.native_layers = native_layers
 
     def use_fused_ops(self, fused_ops: FusedOps | None) -> None:
         """Run RMSNorm (+ residual add), RoPE and SiLU-and-multiply through ``fused_ops``
@@ -326,18 +343,22 @@ class CausalLM(nn.Module):
         CPU float32 only (see :func:`onednn_linear_supported`). Costs one extra copy of the
         linear weights in memory per packing; the originals stay for ``state_dict``.
         """
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.packed = prepack_weight(module.weight, batch_hint)
-                module.min_rows = min_rows
-                if skinny_gemm is not None:
-                    module.skinny_gemm, module.skinny = skinny_gemm, skinny_gemm.pack(module.weight)
-                    module.skinny_max_rows = skinny_gemm.max_rows
+        linears = [module for module in self.modules() if isinstance(module, Linear)]  # in forward order
+        for module in linears:
+            module.packed = prepack_weight(module.weight, batch_hint)
+            module.min_rows = min_rows
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         self.logits_packed = prepack_weight(weight, batch_hint)
         self.logits_min_rows = min_rows
         if skinny_gemm is not None:
-            self.logits_skinny_gemm, self.logits_skinny = skinny_gemm, skinny_gemm.pack(weight)
+            # All panels in one huge-page buffer, in the order a step reads them (each layer's four
+            # projections, then the LM head): one stream of weights per decode step.
+            weights = [module.weight for module in linears] + [weight]
+            sizes = [skinny_gemm.packed_numel(*w.shape) for w in weights]
+            panels = [skinny_gemm.pack(w, out) for w, out in zip(weights, huge_page_empty(sum(sizes)).split(sizes))]
+            for module, packed in zip(linears, panels):
+                module.skinny_gemm, module.skinny, module.skinny_max_rows = skinny_gemm, packed, skinny_gemm.max_rows
+            self.logits_skinny_gemm, self.logits_skinny = skinny_gemm, panels[-1]
 
     def forward(
         self,
@@ -364,6 +385,10 @@ class CausalLM(nn.Module):
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"got {len(kv_caches)} KV-cache pairs for {len(self.layers)} layers")
         hidden = self.embed_tokens(input_ids)
+        native_layers = self.native_layers
+        if native_layers is not None and attention_parts is None and native_layers.can_run(hidden.shape[0], attention):
+            hidden, residual = native_layers.forward(hidden, positions, kv_caches, metadata, attention)
+            return self.norm.add_norm(hidden, residual)[0]
         if self.fused_ops is not None:
             rope = RopeStep(positions, self.rotary.cos_sin, fused_ops=self.fused_ops)
         else:

@@ -30,13 +30,22 @@ class SkinnyGemm:
         self._numel = native.function("gemm", "packed_weight_numel", [_I64, _I64], _I64)
         self._pack = native.function("gemm", "pack_weight_f32", [_P, _I64, _I64, _P])
         self._gemm = native.function("gemm", "gemm_packed_f32", [_P, _I64, _I64, _I64, _P, _P, _I64, _P])
+        self.address: int = ctypes.cast(self._gemm, ctypes.c_void_p).value  # for C callers (engine.native_layers)
 
-    def pack(self, weight: torch.Tensor) -> torch.Tensor:
-        """``weight [out, in]`` (float32, CPU) as panels of 48 (AVX-512) or 24 columns, k-major (zero-padded)."""
+    def packed_numel(self, out_features: int, in_features: int) -> int:
+        """Floats of :meth:`pack`'s result for a weight ``[out_features, in_features]``."""
+        return self._numel(out_features, in_features)
+
+    def pack(self, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``weight [out, in]`` (float32, CPU) as panels of 48 (AVX-512) or 24 columns, k-major
+        (zero-padded), into ``out`` (contiguous, :meth:`packed_numel` floats) or a new tensor."""
         native.require_cpu_float32(weight, "the skinny GEMM", "the weight")
         weight = weight.detach().contiguous()
         out_features, in_features = weight.shape
-        packed = torch.empty(self._numel(out_features, in_features))
+        numel = self._numel(out_features, in_features)
+        if out is not None and (out.numel() != numel or not out.is_contiguous() or out.dtype != torch.float32):
+            raise ValueError(f"pack: out must be a contiguous float32 tensor of {numel} elements")
+        packed = torch.empty(numel) if out is None else out
         self._pack(weight.data_ptr(), out_features, in_features, packed.data_ptr())
         return packed
 

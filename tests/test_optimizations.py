@@ -26,11 +26,13 @@ import torch.nn.functional as F
 
 from engine import LLM, SamplingParams, native
 from engine.fused_ops import FusedOps
+from engine.native_layers import NativeLayers
 from engine import model as model_module
 from engine.model import RMSNorm, RotaryEmbedding, apply_rope, onednn_linear_supported, onednn_row_bucket
 from engine.skinny_gemm import SkinnyGemm
 from engine.runner import ModelRunner
 from hf_reference import hf_greedy
+from strategies.attention.torch_sdpa import TorchSDPABackend
 
 needs_onednn = pytest.mark.skipif(
     not onednn_linear_supported(torch.device("cpu"), torch.float32), reason="oneDNN not available"
@@ -259,6 +261,51 @@ def test_fused_ops_logits_close_to_eager(odd_ckpt):
     fused, eager = build(odd_ckpt, fused_ops=True), build(odd_ckpt, fused_ops=False)
     logits = first_step_logits((fused, eager), ragged_prompts(4, 5, fused.model_config.vocab_size, min_len=2))
     torch.testing.assert_close(logits[0], logits[1], rtol=1e-5, atol=1e-5)
+
+
+def logits_of_every_step(llm: LLM, prompts, max_tokens: int) -> list[torch.Tensor]:
+    """The logits of every step while ``llm`` serves ``prompts`` (greedy, ``max_tokens`` each)."""
+    logits, execute = [], llm.runner.execute
+    llm.runner.execute = lambda inputs: logits.append(execute(inputs)) or logits[-1]
+    serve(llm, prompts, [max_tokens] * len(prompts))
+    return logits
+
+
+@pytest.mark.parametrize("ckpt_name", ["tiny_llama_ckpt", "tiny_qwen2_ckpt", "odd_ckpt"])
+def test_native_layers_give_the_python_layers_logits_bit_for_bit(ckpt_name, request):
+    """Decode-sized steps run every decoder layer as one C call (``engine/native_layers.py``): the
+    kernels of the Python layers in the same order, so every step's logits equal the Python path's
+    exactly: prefill steps of up to ``max_rows`` rows and decode steps in C, a larger prefill in Python."""
+    ckpt = request.getfixturevalue(ckpt_name)
+    in_c, in_python = build(ckpt, attention="cpu_paged"), build(ckpt, attention="cpu_paged")
+    in_python.model.use_native_layers(None)
+    layers = in_c.model.native_layers
+    assert layers is not None and layers.max_rows == in_c.skinny_gemm_max_rows
+    calls, forward = [], layers.forward
+    layers.forward = lambda hidden, *args: calls.append(hidden.shape[0]) or forward(hidden, *args)
+    vocab = in_c.model_config.vocab_size
+    for prompts in (ragged_prompts(5, 7, vocab), ragged_prompts(6, 8, vocab, min_len=25, max_len=30)):
+        calls.clear()
+        expected = logits_of_every_step(in_python, prompts, max_tokens=6)
+        got = logits_of_every_step(in_c, prompts, max_tokens=6)
+        assert len(got) == len(expected) and all(torch.equal(a, b) for a, b in zip(got, expected))
+        prompt_rows = sum(map(len, prompts))  # 107, then 219 (> max_rows: the Python layers)
+        assert calls == ([prompt_rows] if prompt_rows <= layers.max_rows else []) + [len(prompts)] * 5
+
+
+def test_native_layers_need_every_linear_in_c_and_a_backend_that_offers_its_kernel(tiny_llama_ckpt):
+    llm = build(tiny_llama_ckpt, attention="cpu_paged_cascade")
+    layers = llm.model.native_layers
+    assert layers is not None and not layers.can_run(1, llm.attention)  # the cascade backend decides per step
+    assert layers.can_run(layers.max_rows, build(tiny_llama_ckpt, attention="cpu_paged").attention)
+    assert not layers.can_run(layers.max_rows + 1, build(tiny_llama_ckpt, attention="cpu_paged").attention)
+    assert build(tiny_llama_ckpt, attention="torch_sdpa").model.native_layers.can_run(1, TorchSDPABackend()) is False
+    assert build(tiny_llama_ckpt, prepack=False).model.native_layers is None
+    model = build(tiny_llama_ckpt, fused_ops=False).model
+    assert model.native_layers is None
+    model.layers[0].mlp.down_proj.skinny = None  # a linear without a C kernel: no C layers
+    with pytest.raises(ValueError, match="no C kernel"):
+        NativeLayers(model, FusedOps())
 
 
 def test_fused_ops_options_and_missing_compiler(tiny_llama_ckpt, monkeypatch):

@@ -29,6 +29,10 @@ class AttentionBackend(Protocol):
     model (:mod:`engine.step_shape`): ``"causal"`` (a fused kernel that skips masked keys) or
     ``"padded"`` (dense attention over each call's sequences padded to its longest query and
     context, the mask hiding pairs without skipping them).
+
+    Optional: a backend whose work is one C kernel may offer ``native_attention(metadata)`` ->
+    :class:`engine.native_layers.NativeAttention`, so that decoder layers can run in one C call
+    each (``cpu_paged`` does); without it every step takes the Python layer path.
     """
 
     name: str

@@ -29,6 +29,7 @@ import torch
 
 from engine import native
 from engine.attention_metadata import AttentionMetadata
+from engine.native_layers import NativeAttention
 
 _MAX_HEAD_DIM = 256  # csrc/paged_attention.c: MAX_HEAD_DIM
 _MAX_HEADS = 64  # csrc/paged_attention.c: MAX_VECTORS (query vectors of one work item)
@@ -101,6 +102,12 @@ class CpuPagedBackend:
         if status != 0:
             raise RuntimeError(f"{self.name} kernel failed with status {status}")
         return out
+
+    def native_attention(self, metadata: AttentionMetadata) -> NativeAttention:
+        """The kernel and this step's index tensors for callers that run whole layers in C
+        (:mod:`engine.native_layers`): the same call as :meth:`forward` makes."""
+        ints = metadata.cached("cpu_paged.ints", lambda: _kernel_ints(metadata))
+        return NativeAttention(ctypes.cast(self._paged_attention, ctypes.c_void_p).value, *ints)
 
     def checked_inputs(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor

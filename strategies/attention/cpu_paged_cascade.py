@@ -146,6 +146,9 @@ class CpuPagedCascadeBackend(CpuPagedBackend):
     """
 
     name = "cpu_paged_cascade"
+    # It picks its kernel per step in Python (plan_groups), so whole layers in C (engine.native_layers,
+    # which would call cpu_paged's kernel) are not offered: every step takes the Python layer path.
+    native_attention = None
 
     def __init__(self, min_group_size: int = 2, min_shared_tokens: int = 64) -> None:
         if min_group_size < 2:

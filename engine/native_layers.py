@@ -1,0 +1,154 @@
+"""Whole decoder layers in one C call each, for decode-sized steps (``engine/csrc/decoder_layer.c``).
+
+With the projections in the skinny GEMM and the elementwise work in the fused kernels, what is
+left of a batch-1 decode step besides the weight stream is Python: per layer ~15 operations
+(module calls, the kernels' wrappers, ctypes argument conversion, a tensor allocation per
+output), ~70 us a layer, ~2 ms of SmolLM2-135M's ~17 ms step on one core, and on two threads a
+part that only one core runs (docs/performance.md, section 11). :class:`NativeLayers` runs the
+same kernels in the same order from C instead: one ctypes call per layer, one allocation of
+scratch buffers per step for all layers, so the arithmetic is the Python path's exactly
+(``tests/test_optimizations.py`` checks bit-equal logits).
+
+The C side calls every kernel through a function pointer looked up here in that kernel's own
+library, with all metadata explicit:
+
+* **linears** through :meth:`engine.model.Linear.native_kernel`, the one method a linear with its
+  own C kernel (the skinny GEMM today; a quantized GEMV later) provides: function, weight, bias;
+* **attention** through the backend's optional ``native_attention(metadata)`` (see
+  :class:`NativeAttention`); backends without it (gather backends, the cascade backend, which
+  decides per step in Python) keep the Python layer path.
+
+A step takes this path when it is a single attention call (no per-run ``attention_parts``) and
+has at most :attr:`NativeLayers.max_rows` rows (every linear's C kernel serves that many: 128
+with AVX-512): decode steps and small mixed steps. Prompts take the Python path (oneDNN).
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from engine import native
+from engine.attention_metadata import AttentionMetadata
+from engine.fused_ops import FusedOps
+
+_P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+
+
+@dataclass(frozen=True)
+class NativeLinear:
+    """A linear as C sees it: ``function`` (address of a C function with the skinny GEMM's
+    signature, ``engine/csrc/decoder_layer.c``: ``linear_fn``), its weight in that function's
+    format and bias (addresses; ``None``: no bias), and the most input rows it serves."""
+
+    function: int
+    weight: int
+    bias: int | None
+    max_rows: int
+
+
+@dataclass(frozen=True)
+class NativeAttention:
+    """An attention backend's kernel for C callers, for one step: ``function`` has the signature
+    of ``paged_attention_f32`` (``engine/csrc/paged_attention.c``: writes the step's K/V, then
+    attends), and the step's index tensors are in the dtypes it reads (int64 slots, int32 rest)."""
+
+    function: int
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("run", _P), ("weight", _P), ("bias", _P)]
+
+
+class _LayerWeights(ctypes.Structure):
+    _fields_ = [("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
+                ("input_norm", _P), ("post_attention_norm", _P)]
+
+
+class _LayerStep(ctypes.Structure):
+    _fields_ = [
+        ("add_rms_norm", _P), ("rope", _P), ("silu_and_mul", _P), ("attention", _P),
+        ("num_tokens", _I64), ("hidden_size", _I64), ("num_heads", _I64), ("num_kv_heads", _I64),
+        ("head_dim", _I64), ("intermediate_size", _I64), ("eps", _F32), ("scale", _F32),
+        ("positions", _P), ("cos_sin", _P), ("slot_mapping", _P), ("block_tables", _P),
+        ("block_table_stride", _I64), ("context_lens", _P), ("query_start_loc", _P),
+        ("num_seqs", _I64), ("block_size", _I64),
+        ("normed", _P), ("qkv", _P), ("attention_out", _P), ("gate_up", _P), ("activation", _P),
+    ]
+
+
+def _linear(kernel: NativeLinear) -> _Linear:
+    return _Linear(kernel.function, kernel.weight, kernel.bias)
+
+
+class NativeLayers:
+    """The decoder layers of one model as C calls (built by :meth:`engine.model.CausalLM.use_native_layers`).
+
+    Raises ``ValueError`` if a layer has a linear without a C kernel (then the model keeps the
+    Python path); the C library is compiled on construction (``engine/native.py``).
+    """
+
+    def __init__(self, model: torch.nn.Module, fused_ops: FusedOps) -> None:
+        config = model.config
+        self.config = config
+        self._run_layer = native.function("decoder_layer", "decoder_layer_f32", [_P, _P, _P, _P, _P, _P, ctypes.c_int], ctypes.c_int)
+        self._kernels = fused_ops.addresses()
+        self._weights = []
+        self.max_rows = 1 << 62
+        for layer in model.layers:
+            linears = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+            kernels = [linear.native_kernel() for linear in linears]
+            if any(kernel is None for kernel in kernels):
+                raise ValueError("a linear has no C kernel (prepack with the skinny GEMM first)")
+            self.max_rows = min([self.max_rows] + [kernel.max_rows for kernel in kernels])
+            self._weights.append(_LayerWeights(
+                *(_linear(kernel) for kernel in kernels),
+                layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
+            ))
+        self._eps = model.norm.eps
+        self._cos_sin = model.rotary.cos_sin
+
+    def can_run(self, num_tokens: int, attention) -> bool:
+        """Whether a step of ``num_tokens`` rows with this attention backend can take this path."""
+        return num_tokens <= self.max_rows and getattr(attention, "native_attention", None) is not None
+
+    def forward(
+        self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        metadata: AttentionMetadata, attention,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """All layers on the embeddings ``hidden [T, hidden_size]`` -> ``(last MLP output, residual
+        stream before it)``, as the Python layers return them; the step's K/V are written into
+        ``kv_caches`` on the way."""
+        c = self.config
+        kernel: NativeAttention = attention.native_attention(metadata)
+        num_tokens = hidden.shape[0]
+        qkv_size = (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
+        # The step's scratch, shared by all layers: normed, qkv, attention out, gate_up, activation.
+        sizes = [c.hidden_size, qkv_size, c.q_size, 2 * c.intermediate_size, c.intermediate_size]
+        buffers = [torch.empty(num_tokens, size) for size in sizes]
+        positions = positions.to(torch.int64).contiguous()
+        hidden = hidden.contiguous()
+        residual = torch.empty_like(hidden)
+        step = _LayerStep(
+            *self._kernels, kernel.function,
+            num_tokens, c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+            c.intermediate_size, self._eps, c.head_dim**-0.5,
+            positions.data_ptr(), self._cos_sin.data_ptr(), kernel.slot_mapping.data_ptr(),
+            kernel.block_tables.data_ptr(), kernel.block_tables.stride(0), kernel.context_lens.data_ptr(),
+            kernel.query_start_loc.data_ptr(), metadata.num_seqs, metadata.block_size,
+            *(buffer.data_ptr() for buffer in buffers),
+        )
+        step_pointer, hidden_pointer, residual_pointer = ctypes.byref(step), hidden.data_ptr(), residual.data_ptr()
+        for index, (weights, (k_cache, v_cache)) in enumerate(zip(self._weights, kv_caches)):
+            if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+                raise ValueError("native layers: the KV caches must be contiguous tensors")
+            status = self._run_layer(ctypes.byref(weights), step_pointer, k_cache.data_ptr(), v_cache.data_ptr(),
+                                     hidden_pointer, residual_pointer, index == 0)
+            if status != 0:
+                raise RuntimeError(f"decoder layer {index}: the attention kernel failed with status {status}")
+        return hidden, residual
