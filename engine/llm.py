@@ -229,7 +229,7 @@ class LLM:
             warnings.warn(f"fused_ops=auto: {error}; running the eager PyTorch ops instead", stacklevel=2)
             return False
         self.model.use_fused_ops(ops)
-        if self.skinny_gemm_max_rows > 0:  # every linear has a C kernel: decode-sized steps run layers in C
+        if NativeLayers.available(self.model):  # every linear has a C kernel: decode-sized steps run layers in C
             self.model.use_native_layers(NativeLayers(self.model, ops))
         return True
 

@@ -89,9 +89,20 @@ def _linear(kernel: NativeLinear) -> _Linear:
 class NativeLayers:
     """The decoder layers of one model as C calls (built by :meth:`engine.model.CausalLM.use_native_layers`).
 
-    Raises ``ValueError`` if a layer has a linear without a C kernel (then the model keeps the
-    Python path); the C library is compiled on construction (``engine/native.py``).
+    Raises ``ValueError`` if a layer has a linear without a C kernel (see :meth:`available`); the
+    C library is compiled on construction (``engine/native.py``).
     """
+
+    @staticmethod
+    def layer_linears(layer: torch.nn.Module) -> list:
+        """A decoder layer's linears in the order C calls them: qkv, o, gate/up, down."""
+        return [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+
+    @classmethod
+    def available(cls, model: torch.nn.Module) -> bool:
+        """Whether every linear of every layer has a C kernel (a model with some linears only in
+        Python, e.g. a weight format without one, keeps the Python layers)."""
+        return all(linear.native_kernel() is not None for layer in model.layers for linear in cls.layer_linears(layer))
 
     def __init__(self, model: torch.nn.Module, fused_ops: FusedOps) -> None:
         config = model.config
@@ -101,8 +112,7 @@ class NativeLayers:
         self._weights = []
         self.max_rows = 1 << 62
         for layer in model.layers:
-            linears = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
-            kernels = [linear.native_kernel() for linear in linears]
+            kernels = [linear.native_kernel() for linear in self.layer_linears(layer)]
             if any(kernel is None for kernel in kernels):
                 raise ValueError("a linear has no C kernel (prepack with the skinny GEMM first)")
             self.max_rows = min([self.max_rows] + [kernel.max_rows for kernel in kernels])

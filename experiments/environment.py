@@ -65,6 +65,8 @@ def applied_options(engine: Any) -> dict[str, Any]:
         "prepacked": getattr(engine, "prepacked", None),
         "skinny_gemm_max_rows": getattr(engine, "skinny_gemm_max_rows", None),  # few-row GEMM path (simulator calibration)
         "fused_ops": getattr(engine, "fused", None),
+        # decode-sized steps run each decoder layer as one C call (engine/native_layers.py)
+        "native_layers": getattr(getattr(engine, "model", None), "native_layers", None) is not None,
         "kept_freed_memory": getattr(engine, "kept_freed_memory", None),
         "cuda_graphs": getattr(runner, "graphs", None) is not None if runner is not None else None,
         "server_command": getattr(engine, "server_command", None),  # a server the run started (HTTP engines)

@@ -79,7 +79,7 @@ def test_run_killed_while_writing_leaves_no_truncated_file_and_the_report_lists_
     summary = json.loads((sweep / "0" / "summary.json").read_text())
     environment = summary["environment"]  # what was applied, and where
     assert environment["device"] == "cpu" and environment["dtype"] == "float32"
-    assert {"prepacked", "fused_ops", "kept_freed_memory", "torch", "transformers", "cpu_model", "cpu_count",
+    assert {"prepacked", "fused_ops", "native_layers", "kept_freed_memory", "torch", "transformers", "cpu_model", "cpu_count",
             "torch_threads"} <= set(environment)
     assert isinstance(environment["prepacked"], bool) and environment["git"]["commit"]
 

@@ -304,6 +304,7 @@ def test_native_layers_need_every_linear_in_c_and_a_backend_that_offers_its_kern
     model = build(tiny_llama_ckpt, fused_ops=False).model
     assert model.native_layers is None
     model.layers[0].mlp.down_proj.skinny = None  # a linear without a C kernel: no C layers
+    assert not NativeLayers.available(model)
     with pytest.raises(ValueError, match="no C kernel"):
         NativeLayers(model, FusedOps())
 
