@@ -8,7 +8,10 @@
    read-only stream runs faster than a copy on some CPUs) and matmul peak (best of large square
    matmuls in ``--dtype``; on CPU float32 the best of ``torch.mm``, a oneDNN-prepacked linear and
    servelab's skinny GEMM, the paths the engine can take). Both are best cases by definition,
-   so that no engine path can beat the bound.
+   so that no engine path can beat the bound. Both are probed again after each batch size's
+   steps and the best probes are used: on a host whose speed drifts (a shared VM: the same read
+   ran at 28-34 and at 70-75 GB/s minutes apart, docs/performance.md, 11), a probe taken in a
+   slow minute would make a bound that the steps of a fast minute beat.
 2. For each batch size ``B``: starts ``B`` requests with ``--context`` prompt tokens, runs their
    prefill, then times ``--steps`` engine decode steps (``LLM.step()``: scheduler, runner,
    forward, sampler; median) with every sequence at about ``--context`` tokens.
@@ -166,20 +169,27 @@ def main(argv: list[str] | None = None) -> list[dict]:
     attention = args.attention
     if attention == "auto":
         attention = "cpu_paged" if device.type == "cpu" and dtype == torch.float32 else "torch_sdpa"
-    copy_bandwidth, read_bandwidth = measure_bandwidth(device)
-    bandwidth = max(copy_bandwidth, read_bandwidth)
-    peak = measure_matmul_peak(device, dtype)
-    print(f"machine: {device}, {torch.get_num_threads()} threads; bandwidth {bandwidth / 1e9:.1f} GB/s (copy "
-          f"{copy_bandwidth / 1e9:.1f}, read {read_bandwidth / 1e9:.1f}); matmul peak {peak / 1e9:.1f} GFLOP/s "
-          f"({args.dtype}); attention {attention}")
+    probes = [measure_bandwidth(device)]  # (copy, read) bytes/s; again after each batch size below
+    peaks = [measure_matmul_peak(device, dtype)]
     # Room for every sequence's whole life at once, so all B run together (+1 block of slack each).
     per_seq = args.context + args.steps + 4 + max(args.batch_sizes) + 16
     llm = LLM(model=args.model, device=str(device), dtype=args.dtype, attention=attention,
               max_num_seqs=max(args.batch_sizes), capacity_tokens=max(16384, max(args.batch_sizes) * per_seq),
               prepack=prepack)
-    rows = []
+    measured_steps = []
     for batch in args.batch_sizes:
-        measured = time_decode_steps(llm, batch, args.context, args.steps)
+        measured_steps.append(time_decode_steps(llm, batch, args.context, args.steps))
+        probes.append(measure_bandwidth(device))
+        peaks.append(measure_matmul_peak(device, dtype))
+    peak = max(peaks)
+    copy_bandwidth, read_bandwidth = max(c for c, _ in probes), max(r for _, r in probes)
+    bandwidth = max(copy_bandwidth, read_bandwidth)
+    print(f"machine: {device}, {torch.get_num_threads()} threads; bandwidth {bandwidth / 1e9:.1f} GB/s (best of "
+          f"{len(probes)} probes: copy {copy_bandwidth / 1e9:.1f}, read {read_bandwidth / 1e9:.1f}; reads "
+          f"{', '.join(f'{r / 1e9:.1f}' for _, r in probes)}); matmul peak {peak / 1e9:.1f} GFLOP/s "
+          f"({args.dtype}; probes {', '.join(f'{x / 1e9:.0f}' for x in peaks)}); attention {attention}")
+    rows = []
+    for batch, measured in zip(args.batch_sizes, measured_steps):
         cost = decode_cost(llm.model, llm.model_config, batch, args.context + args.steps // 2, dtype)
         memory_s = (cost.weight_bytes + cost.kv_bytes) / bandwidth
         flop_s = cost.flops / peak
