@@ -201,6 +201,7 @@ class LLM:
 
     def apply_prepack(self, prepack: bool | str) -> bool:
         self.skinny_gemm_max_rows = 0  # linears of at most this many rows take the skinny GEMM (0: none)
+        self.skinny_gemm_tile_rows = 0  # rows of its full register tile (0: no skinny GEMM)
         supported = onednn_linear_supported(self.device, self.dtype)
         if not _option_enabled("prepack", prepack, supported, f"float32 on a CPU with oneDNN (got {self.dtype} on {self.device})"):
             return False
@@ -211,6 +212,7 @@ class LLM:
             skinny_gemm = None
         self.model.prepack(skinny_gemm=skinny_gemm)
         self.skinny_gemm_max_rows = skinny_gemm.max_rows if skinny_gemm is not None else 0
+        self.skinny_gemm_tile_rows = skinny_gemm.tile_rows if skinny_gemm is not None else 0
         return True
 
     def apply_fused_ops(self, fused_ops: bool | str) -> bool:

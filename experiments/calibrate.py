@@ -92,12 +92,14 @@ def load_run(run_dir: Path) -> tuple[dict, pd.DataFrame]:
 
 def built_backend(run_dir: Path) -> dict:
     """What the run's ``summary.json`` says the engine built: ``attention_backend`` (the backend
-    ``attention=auto`` chose) and ``skinny_gemm_max_rows``; ``None`` where a run predates the record."""
+    ``attention=auto`` chose), ``skinny_gemm_max_rows`` and ``skinny_gemm_tile_rows``; ``None``
+    where a run predates the record."""
     summary_file = run_dir / "summary.json"
     summary = json.loads(summary_file.read_text()) if summary_file.is_file() else {}
     environment = summary.get("environment") or {}
     return {"attention_backend": (summary.get("run") or {}).get("attention_backend"),
-            "skinny_gemm_max_rows": environment.get("skinny_gemm_max_rows")}
+            "skinny_gemm_max_rows": environment.get("skinny_gemm_max_rows"),
+            "skinny_gemm_tile_rows": environment.get("skinny_gemm_tile_rows")}
 
 
 def attention_pairs(cfg: dict) -> str:
@@ -118,29 +120,39 @@ def attention_pairs(cfg: dict) -> str:
                          f"computes ({error})") from error
 
 
-def run_small_batch_rows(run_dir: Path, cfg: dict, override: int | None) -> int:
-    """The few-row GEMM limit the run's engine used (its summary), or ``override`` where given."""
+#: what the engine's few-row GEMM was, per run: summary.json key -> (option, value for old runs)
+SKINNY_RECORDS = {
+    "skinny_gemm_max_rows": ("--small-batch-rows", "24 for servelab before 2026-11-30 15:00 UTC, 128 after"),
+    "skinny_gemm_tile_rows": ("--small-batch-tile-rows", "8 for the AVX-512 build of 2026-11-30, 4 with AVX2"),
+}
+
+
+def run_skinny_record(run_dir: Path, cfg: dict, key: str, override: int | None) -> int:
+    """What the run's engine recorded under ``key`` (:data:`SKINNY_RECORDS`), or ``override`` where given."""
     if override is not None:
         return override
-    recorded = (cfg.get("_backend") or {}).get("skinny_gemm_max_rows")
+    recorded = (cfg.get("_backend") or {}).get(key)
     if recorded is None:
-        raise ValueError(f"{run_dir}/summary.json does not record the engine's skinny_gemm_max_rows (a run made before "
-                         "it was recorded): pass --small-batch-rows (24 for servelab before 2026-11-30 15:00 UTC)")
+        option, hint = SKINNY_RECORDS[key]
+        raise ValueError(f"{run_dir}/summary.json does not record the engine's {key} (a run made before it was "
+                         f"recorded): pass {option} ({hint})")
     return int(recorded)
 
 
 def calibrate(run_dirs: Sequence[Path], peak_tflops: float, bandwidth_tbps: float,
-              small_batch_rows: int | None = None) -> tuple[Fit, dict, dict]:
+              small_batch_rows: int | None = None, small_batch_tile_rows: int | None = None) -> tuple[Fit, dict, dict]:
     """Fit on all steps of ``run_dirs``; returns the fit, the model spec and what was fitted on.
 
-    ``small_batch_rows``: the few-row GEMM limit; ``None`` takes the one each run recorded (all
-    runs must agree), a number overrides it (runs made before it was recorded)."""
+    ``small_batch_rows`` / ``small_batch_tile_rows``: the few-row GEMM's limit and register tile;
+    ``None`` takes what each run recorded (all runs must agree), a number overrides it (runs made
+    before it was recorded)."""
     configs, pairs, limits, terms, seconds = [], [], [], [], []
     for run_dir in run_dirs:
         cfg, steps = load_run(Path(run_dir))
         configs.append(cfg)
         pairs.append(attention_pairs(cfg))
-        limits.append(run_small_batch_rows(Path(run_dir), cfg, small_batch_rows))
+        limits.append((run_skinny_record(Path(run_dir), cfg, "skinny_gemm_max_rows", small_batch_rows),
+                       run_skinny_record(Path(run_dir), cfg, "skinny_gemm_tile_rows", small_batch_tile_rows)))
         if cfg["model"].get("hf_config") != configs[0]["model"].get("hf_config"):
             raise ValueError(f"{run_dir} ran model {cfg['model'].get('name')!r}, not {configs[0]['model'].get('name')!r}: "
                              "calibrate one model at a time")
@@ -148,11 +160,12 @@ def calibrate(run_dirs: Sequence[Path], peak_tflops: float, bandwidth_tbps: floa
             raise ValueError(f"{run_dir} ran a {pairs[-1]}-pairs attention backend, the first run a "
                              f"{pairs[0]} one: calibrate one kind of attention kernel at a time")
         if limits[-1] != limits[0]:
-            raise ValueError(f"{run_dir} ran linears of <= {limits[-1]} rows on the skinny GEMM, the first run "
-                             f"<= {limits[0]}: calibrate runs of one engine build at a time")
+            raise ValueError(f"{run_dir} ran linears of <= {limits[-1][0]} rows on the skinny GEMM in tiles of "
+                             f"{limits[-1][1]}, the first run <= {limits[0][0]} in tiles of {limits[0][1]}: "
+                             "calibrate runs of one engine build at a time")
         units = Hardware(name="units", peak_tflops=peak_tflops, bandwidth_tbps=bandwidth_tbps,
                          dtype_bytes=DTYPE_BYTES.get(cfg.get("dtype"), 4), attention_pairs=pairs[-1],
-                         small_batch_rows=limits[-1])
+                         small_batch_rows=limits[-1][0], small_batch_tile_rows=limits[-1][1])
         model = CostModel(units, model_config_for_costs(hf_config_of(cfg["model"])[0]))
         terms += [model.terms(shape) for shape in step_shapes(steps)]
         seconds += (steps.duration_s + between_steps_s(steps)).tolist()
@@ -161,7 +174,7 @@ def calibrate(run_dirs: Sequence[Path], peak_tflops: float, bandwidth_tbps: floa
     about = {"model": first["model"].get("name"), "dtype": first.get("dtype"),
              "dtype_bytes": DTYPE_BYTES.get(first.get("dtype"), 4), "device": first.get("device"),
              "attention": attention, "attention_pairs": pairs[0],
-             "small_batch_rows": limits[0],
+             "small_batch_rows": limits[0][0], "small_batch_tile_rows": limits[0][1],
              "engine": first.get("engine")}
     return fit_coefficients(terms, seconds, DISTURBED_RATIO), first["model"], about
 
@@ -191,6 +204,8 @@ seq_overhead_s: {c['seq_overhead_s']:.6g}   # fitted: per scheduled sequence
 linear_time_scale: {c['linear_time_scale']:.6g}   # fitted: x (linear FLOPs / peak_tflops)
 small_batch_rows: {about['small_batch_rows']}        # steps of <= this many rows take the few-row GEMM path (the runs' skinny_gemm_max_rows)
 small_batch_time_scale: {c['small_batch_time_scale']:.6g}   # fitted: extra x (linear FLOPs / peak_tflops) on those steps
+small_batch_tile_rows: {about['small_batch_tile_rows']}        # rows of the few-row GEMM's full register tile (the runs' skinny_gemm_tile_rows; 0: none)
+tile_tail_time_scale: {c['tile_tail_time_scale']:.6g}   # fitted: x (linear FLOPs / peak_tflops) of the rows outside full tiles, in pairs
 weight_time_scale: {c['weight_time_scale']:.6g}   # fitted: x (weight bytes / bandwidth_tbps) on weight-bound steps (0: none seen; step_overhead_s holds the read)
 kv_time_scale: {c['kv_time_scale']:.6g}   # fitted: x (KV bytes read / bandwidth_tbps)
 attention_time_scale: {c['attention_time_scale']:.6g}   # fitted: x (attention FLOPs / peak_tflops)
@@ -210,6 +225,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--small-batch-rows", type=int, default=None,
                         help="steps of at most this many rows are in the small-batch GEMM regime (0: none); "
                              "default: the skinny_gemm_max_rows each run's summary.json records")
+    parser.add_argument("--small-batch-tile-rows", type=int, default=None,
+                        help="rows of the few-row GEMM's full register tile (0: no tile term); "
+                             "default: the skinny_gemm_tile_rows each run's summary.json records")
     parser.add_argument("--min-steps", type=int, default=30, help="fewer steps: refuse to fit")
     parser.add_argument("--min-r2", type=float, default=0.9, help="a fit with lower R^2: refuse to write")
     parser.add_argument("--out-dir", type=Path, default=HARDWARE_DIR, help="where hardware files live")
@@ -221,7 +239,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{target} exists; pick another --name or pass --overwrite", file=sys.stderr)
         return 2
     try:
-        fit, _, about = calibrate(args.run_dirs, args.peak_tflops, args.bandwidth_tbps, args.small_batch_rows)
+        fit, _, about = calibrate(args.run_dirs, args.peak_tflops, args.bandwidth_tbps, args.small_batch_rows,
+                                  args.small_batch_tile_rows)
     except ValueError as error:
         print(f"calibration failed: {error}", file=sys.stderr)
         return 2

@@ -40,6 +40,12 @@ class Hardware:
         small_batch_time_scale: extra multiplier on linear FLOPs / peak in that regime: a GEMM of a
             few rows reuses each weight it loads only a few times, so it runs further below peak
             than a large one (on GPUs the weight-read roofline covers this: 0 there).
+        small_batch_tile_rows: rows of the few-row GEMM's full register tile (0: no tiling effect;
+            servelab's CPU engine: 8 with AVX-512, 4 with AVX2). Rows of a step of at most
+            ``small_batch_rows`` rows that do not fill a full tile run as smaller remainder tiles,
+            each one more pass over the weights (:func:`simulator.cost_model.tile_tail_rows`).
+        tile_tail_time_scale: multiplier on linear FLOPs / peak of those remainder rows (added,
+            outside the roofline ``max``: they are passes over weights already streamed).
         weight_time_scale: multiplier on weight bytes / bandwidth (1 / achieved bandwidth share).
         kv_time_scale: multiplier on KV bytes read / bandwidth (attention's memory side).
         attention_time_scale: multiplier on attention FLOPs / peak (quadratic prefill term).
@@ -64,6 +70,8 @@ class Hardware:
     linear_time_scale: float = 1.0
     small_batch_rows: int = 0
     small_batch_time_scale: float = 0.0
+    small_batch_tile_rows: int = 0
+    tile_tail_time_scale: float = 0.0
     weight_time_scale: float = 1.0
     kv_time_scale: float = 1.0
     attention_time_scale: float = 1.0
@@ -83,7 +91,8 @@ class Hardware:
             raise ValueError(f"hardware {self.name!r}: attention_pairs must be one of {ATTENTION_PAIRS}, "
                              f"got {self.attention_pairs!r}")
         scales = (self.step_overhead_s, self.seq_overhead_s, self.linear_time_scale, self.weight_time_scale,
-                  self.kv_time_scale, self.attention_time_scale, self.small_batch_rows, self.small_batch_time_scale)
+                  self.kv_time_scale, self.attention_time_scale, self.small_batch_rows, self.small_batch_time_scale,
+                  self.small_batch_tile_rows, self.tile_tail_time_scale)
         if min(scales) < 0:
             raise ValueError(f"hardware {self.name!r}: overheads and time scales must be >= 0")
 

@@ -21,7 +21,7 @@ from simulator.model_shapes import model_config_for_costs
 
 TINY_SPEC = yaml.safe_load((CONF_DIR / "model" / "tiny.yaml").read_text())
 TRUTH = dict(step_overhead_s=0.02, seq_overhead_s=0.003, linear_time_scale=0.5, small_batch_time_scale=0.7,
-             kv_time_scale=4.0, attention_time_scale=9.0)
+             kv_time_scale=4.0, attention_time_scale=9.0, tile_tail_time_scale=0.6)
 
 
 def fake_run(folder: Path, num_steps: int, seed: int = 0, durations: str = "model", skinny_rows: int | None = 24) -> Path:
@@ -31,7 +31,7 @@ def fake_run(folder: Path, num_steps: int, seed: int = 0, durations: str = "mode
     made before it was recorded) a skinny GEMM of ``skinny_rows`` rows."""
     rng = np.random.default_rng(seed)
     truth = Hardware(name="truth", peak_tflops=0.15, bandwidth_tbps=0.025, dtype_bytes=4, weight_time_scale=0.0,
-                     small_batch_rows=24, **TRUTH)
+                     small_batch_rows=24, small_batch_tile_rows=8, **TRUTH)
     model = CostModel(truth, model_config_for_costs(TINY_SPEC["hf_config"]))
     rows, clock = [], 0.0
     for step in range(num_steps):
@@ -52,7 +52,7 @@ def fake_run(folder: Path, num_steps: int, seed: int = 0, durations: str = "mode
     OmegaConf.save(OmegaConf.create({"model": TINY_SPEC, "dtype": "float32", "device": "cpu",
                                      "attention": auto, "engine": {"prepack": "auto"}}),
                    folder / "config.yaml")
-    environment = {} if skinny_rows is None else {"skinny_gemm_max_rows": skinny_rows}
+    environment = {} if skinny_rows is None else {"skinny_gemm_max_rows": skinny_rows, "skinny_gemm_tile_rows": 8}
     (folder / "summary.json").write_text(json.dumps({"run": {"attention": "auto", "attention_backend": "cpu_paged"},
                                                      "environment": environment}))
     return folder
@@ -65,7 +65,9 @@ def test_fit_round_trip_writes_a_usable_hardware_file(tmp_path):
     hardware = instantiate(OmegaConf.load(written))
     assert isinstance(hardware, Hardware) and hardware.calibrated and hardware.calibrated_model == "tiny"
     # what the run built, from its summary.json: attention=auto's cpu_paged (causal pairs), 24-row skinny GEMM
+    # in tiles of 8 rows
     assert hardware.attention_pairs == "causal" and hardware.small_batch_rows == 24
+    assert hardware.small_batch_tile_rows == 8
     for name, value in TRUTH.items():
         assert getattr(hardware, name) == pytest.approx(value, rel=1e-3)
     assert "R^2 1.000" in hardware.calibration
@@ -108,12 +110,16 @@ def test_refuses_and_writes_nothing(tmp_path, case, capsys):
 
 
 def test_skinny_limit_comes_from_the_runs_or_from_the_option(tmp_path, capsys):
-    """A run that does not record its skinny GEMM limit needs --small-batch-rows; runs of
-    different limits are not mixed in one fit."""
+    """A run that does not record its skinny GEMM limit and tile needs --small-batch-rows and
+    --small-batch-tile-rows; runs of different limits are not mixed in one fit."""
     old = fake_run(tmp_path / "old", 120, skinny_rows=None)
     assert main([str(old), "--name", "old", "--out-dir", str(tmp_path / "hw")]) == 2
     assert "--small-batch-rows" in capsys.readouterr().err and not (tmp_path / "hw" / "old.yaml").exists()
-    assert main([str(old), "--name", "old", "--out-dir", str(tmp_path / "hw"), "--small-batch-rows", "24"]) == 0
+    assert main([str(old), "--name", "old", "--out-dir", str(tmp_path / "hw"), "--small-batch-rows", "24"]) == 2
+    assert "--small-batch-tile-rows" in capsys.readouterr().err and not (tmp_path / "hw" / "old.yaml").exists()
+    assert main([str(old), "--name", "old", "--out-dir", str(tmp_path / "hw"), "--small-batch-rows", "24",
+                 "--small-batch-tile-rows", "8"]) == 0
+    assert instantiate(OmegaConf.load(tmp_path / "hw" / "old.yaml")).tile_tail_time_scale == pytest.approx(0.6, rel=1e-3)
     wider = fake_run(tmp_path / "wider", 120, seed=1, skinny_rows=128)
     assert main([str(fake_run(tmp_path / "new", 120)), str(wider), "--name", "mixed", "--out-dir", str(tmp_path / "hw")]) == 2
     assert "one engine build at a time" in capsys.readouterr().err

@@ -7,7 +7,7 @@ import yaml
 
 from engine.config import CONF_DIR
 from engine.step_shape import StepShape, attention_runs, padded_pairs
-from simulator.cost_model import CostModel, fit_coefficients, predict
+from simulator.cost_model import CostModel, fit_coefficients, predict, tile_tail_rows
 from simulator.hardware import Hardware
 from simulator.llm import SimulatedLLM, kv_capacity_from_memory
 from simulator.model_shapes import model_config_for_costs, parameter_count
@@ -54,6 +54,31 @@ def test_small_batch_regime_prices_steps_of_few_rows_only():
         assert model.step_time(step) == pytest.approx((1 + extra) * terms.linear_s + terms.kv_s, rel=1e-12)
 
 
+def test_tile_tail_rows_by_hand():
+    """The few-row GEMM's remainder tiles: rows past the full 8-row tiles, in pairs; one row alone
+    is the weight stream; above the kernel's limit oneDNN runs the GEMM."""
+    expected = {1: 0, 2: 2, 3: 4, 4: 4, 5: 6, 7: 8, 8: 0, 9: 2, 15: 8, 16: 0, 17: 2, 128: 0, 129: 0}
+    assert {rows: tile_tail_rows(rows, 8, 128) for rows in expected} == expected
+    assert [tile_tail_rows(rows, 4, 32) for rows in (3, 4, 5, 7, 33)] == [4, 0, 2, 4, 0]  # AVX2's 4-row tile
+    assert tile_tail_rows(7, 0, 128) == 0  # no tiled kernel (the GPU presets)
+
+
+def test_tile_tail_makes_seven_rows_cost_more_than_eight():
+    """The measured shape of the skinny GEMM (docs/simulator.md): a step of 8 decode rows is
+    cheaper than one of 7; the tail term, priced by hand, is what makes it so."""
+    hw = Hardware(name="unit", peak_tflops=1, bandwidth_tbps=1, dtype_bytes=4, weight_time_scale=0.0,
+                  small_batch_rows=128, small_batch_tile_rows=8, tile_tail_time_scale=0.5)
+    model = CostModel(hw, TINY)
+    layer_flops, head_flops = 2 * 2 * (64 * 128 + 64 * 64 + 3 * 64 * 128 + 2 * 64), 2 * 512 * 64
+    for rows, tail in ((7, 8), (8, 0), (9, 2)):
+        step = shape(seqs=rows, rows=rows, decode=rows, sampled=rows, context=rows)
+        terms = model.terms(step)
+        assert terms.tile_tail_s == pytest.approx(tail * (layer_flops + head_flops) * 1e-12, rel=1e-12)
+        assert model.step_time(step) == pytest.approx(terms.linear_s + 0.5 * terms.tile_tail_s + terms.kv_s, rel=1e-12)
+    seven, eight = (model.step_time(shape(seqs=n, rows=n, decode=n, sampled=n, context=n)) for n in (7, 8))
+    assert seven > eight
+
+
 def test_parameter_counts_match_the_published_sizes():
     assert parameter_count(LLAMA_8B) == 8_030_261_248  # Llama-3.1-8B: "8.03B"
     # tiny by hand: per layer q/k/v/o 64*(64+32+32) + 64*64, MLP 3*64*128, 2 norms of 64
@@ -96,7 +121,8 @@ def test_more_work_never_costs_less():
 
 
 def test_nnls_recovers_known_coefficients_and_sets_aside_disturbed_steps():
-    units = Hardware(name="units", peak_tflops=0.15, bandwidth_tbps=0.025, dtype_bytes=4, small_batch_rows=24)
+    units = Hardware(name="units", peak_tflops=0.15, bandwidth_tbps=0.025, dtype_bytes=4, small_batch_rows=24,
+                     small_batch_tile_rows=8)
     model = CostModel(units, TINY)
     rng = np.random.default_rng(0)
     shapes = []
@@ -107,7 +133,8 @@ def test_nnls_recovers_known_coefficients_and_sets_aside_disturbed_steps():
         context = seqs * int(rng.integers(16, 400))
         shapes.append(shape(seqs=seqs, rows=rows, decode=seqs, sampled=seqs, context=context,
                             pairs=prefill * (prefill + 1) // 2))
-    truth = np.array([0.01, 0.0015, 0.4, 3.0, 0.0, 2.0, 7.0])  # no weight-bound regime (c_w = 0)
+    # no weight-bound regime (c_w = 0); c_tail large enough that tiny's few tail rows stand out of the noise
+    truth = np.array([0.01, 0.0015, 0.4, 3.0, 0.0, 2.0, 7.0, 50.0])
     seconds = np.array([model.terms(s).fit_row() for s in shapes]) @ truth
     seconds = seconds * rng.uniform(0.999, 1.001, size=len(seconds))  # timer-level noise
     seconds[::20] *= 10  # every 20th step disturbed by another process
@@ -124,7 +151,7 @@ def test_fit_finds_the_weight_bound_regime_of_small_batches():
     per_row = model.linear_s_per_row + model.lm_head_s_per_row
     c_lin = 0.4
     c_w = c_lin * 10.5 * per_row / model.weights_s  # decode batches of <= 10 rows are weight-bound
-    truth = np.array([0.01, 0.0015, c_lin, 0.0, c_w, 2.0, 7.0])
+    truth = np.array([0.01, 0.0015, c_lin, 0.0, c_w, 2.0, 7.0, 0.0])
     rng = np.random.default_rng(1)
     shapes = []
     for _ in range(300):

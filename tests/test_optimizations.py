@@ -155,6 +155,8 @@ def test_skinny_gemm_serves_decode_batches_and_onednn_the_rest(odd_ckpt):
     model = llm.model
     layer = model.layers[0].self_attn.qkv_proj  # biased
     assert layer.skinny is not None and layer.bias is not None and layer.skinny_max_rows >= 32
+    # the register tile the simulator's cost model prices (engine/csrc/gemm.c: 8 rows with AVX-512, 4 with AVX2)
+    assert llm.skinny_gemm_tile_rows == layer.skinny_gemm.tile_rows == {128: 8, 32: 4}[layer.skinny_max_rows]
     calls = []
     skinny_linear = layer.skinny_gemm.linear
     layer.skinny_gemm.linear = lambda *args: calls.append(args[0].shape[0]) or skinny_linear(*args)
