@@ -65,6 +65,7 @@ def applied_options(engine: Any) -> dict[str, Any]:
         "prepacked": getattr(engine, "prepacked", None),
         "skinny_gemm_max_rows": getattr(engine, "skinny_gemm_max_rows", None),  # few-row GEMM path (simulator calibration)
         "skinny_gemm_tile_rows": getattr(engine, "skinny_gemm_tile_rows", None),  # its register tile (simulator calibration)
+        "onednn_row_buckets": getattr(engine, "onednn_row_buckets", None),  # row padding of prepacked linears (same)
         "fused_ops": getattr(engine, "fused", None),
         "kept_freed_memory": getattr(engine, "kept_freed_memory", None),
         "cuda_graphs": getattr(runner, "graphs", None) is not None if runner is not None else None,
