@@ -10,10 +10,16 @@ split into the attention kernel's time and the rest (the linears, norms, samplin
 causal query-key pair, and the rest per row, which jumps where the oneDNN linears pad their rows
 to a bucket (913 rows compute 1,024: ``engine.model.onednn_row_bucket``).
 
+``shared``: decode steps of 16 users on one 384-token prompt plus 20 tokens each, on the prefix
+cache (the prompt's blocks shared by all 16) and on the paged cache (the same tokens, each user
+its own blocks): the same context read, once mostly from shared blocks; the difference is what
+re-reading a shared block saves. Process CPU time per step (robust on a shared machine).
+
 Rows / cases alternate rep by rep (machine noise hits all) and medians are printed. One thread.
 
     python -m experiments.step_cost_bench gemm --reps 5
     python -m experiments.step_cost_bench prefill --reps 3
+    python -m experiments.step_cost_bench shared --reps 30
 """
 from __future__ import annotations
 
@@ -79,9 +85,34 @@ def prefill_times(model: str, reps: int) -> dict[tuple[int, int], tuple[float, f
     return {case: (statistics.median(s for s, _ in v), statistics.median(a for _, a in v)) for case, v in samples.items()}
 
 
+def shared_times(model: str, reps: int) -> dict[str, tuple[int, int, float]]:
+    """Per cache: (context tokens, shared context tokens, median CPU seconds) of a 16-sequence decode step."""
+    rng = random.Random(0)
+    prefix = [rng.randrange(100, 40000) for _ in range(384)]
+    prompts = [prefix + [rng.randrange(100, 40000) for _ in range(20)] for _ in range(16)]
+    params = SamplingParams(max_tokens=reps + 3, ignore_eos=True)
+    engines = {cache: LLM(model=model, weights="random", cache=cache, capacity_tokens=16384) for cache in ("prefix", "paged")}
+    for llm in engines.values():
+        llm.add_request(prompts[0], params)
+        llm.step()  # the leader's prefill fills the prefix cache
+        for prompt in prompts[1:]:
+            llm.add_request(prompt, params)
+        llm.step()
+        llm.step()
+    cpu: dict[str, list[float]] = {cache: [] for cache in engines}
+    for _ in range(reps):
+        for cache, llm in engines.items():
+            start = time.process_time()
+            llm.step()
+            cpu[cache].append(time.process_time() - start)
+            assert llm.step_records[-1].num_decode_tokens == 16, "decode steps of all 16 users"
+    return {cache: (llm.step_records[-1].context_tokens, llm.step_records[-1].shared_context_tokens,
+                    statistics.median(cpu[cache])) for cache, llm in engines.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=("gemm", "prefill"))
+    parser.add_argument("what", choices=("gemm", "prefill", "shared"))
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--reps", type=int, default=5)
     args = parser.parse_args(argv)
@@ -90,6 +121,10 @@ def main(argv: list[str] | None = None) -> int:
         print("| rows | few-row GEMM, all linears (ms) |\n| --- | --- |")
         for rows, seconds in gemm_times(args.model, args.reps).items():
             print(f"| {rows} | {1e3 * seconds:.2f} |")
+    elif args.what == "shared":
+        print("| cache | context tokens | of them shared | decode step CPU (ms) |\n| --- | --- | --- | --- |")
+        for cache, (context, shared, seconds) in shared_times(args.model, args.reps).items():
+            print(f"| {cache} | {context} | {shared} | {1e3 * seconds:.2f} |")
     else:
         print("| prompts x tokens | step (ms) | attention (ms) | rest (ms) | attention per pair (us) | rest per row (ms) |")
         print("| --- | --- | --- | --- | --- | --- |")
