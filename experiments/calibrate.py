@@ -89,7 +89,7 @@ def load_run(run_dir: Path) -> tuple[dict, pd.DataFrame]:
                          "do not record the step shape)")
     if "PrefixCache" in str((cfg.get("cache") or {}).get("_target_")) and "shared_context_tokens" not in steps.columns:
         raise ValueError(f"{steps_file} ran the prefix cache but lacks shared_context_tokens (recorded since "
-                         "2026-11-30 17:30 UTC): rerun it")
+                         "2026-11-30 17:11 UTC): rerun it")
     if attention_pairs(cfg) == "padded" and ("padded_attention_pairs" not in steps.columns
                                              or steps.padded_attention_pairs.isna().any()):
         steps = recovered_shapes(run_dir, steps)  # a run stored before the column: checked replay
