@@ -32,7 +32,7 @@ from engine.device import resolve_device, resolve_dtype
 from engine.fused_ops import FusedOps
 from engine.native_layers import NativeLayers
 from engine.loader import checkpoint_for_spec, load_model
-from engine.model import onednn_linear_supported
+from engine.model import ONEDNN_BUCKETS_PER_OCTAVE, onednn_linear_supported
 from engine.model_config import ModelConfig
 from engine.native import NativeKernelUnavailable
 from engine.outputs import RequestOutput, StepRecord
@@ -205,6 +205,8 @@ class LLM:
 
     def apply_prepack(self, prepack: bool | str) -> bool:
         self.skinny_gemm_max_rows = 0  # linears of at most this many rows take the skinny GEMM (0: none)
+        self.skinny_gemm_tile_rows = 0  # rows of its full register tile (0: no skinny GEMM)
+        self.onednn_row_buckets = 0  # prepacked linears pad rows to this many buckets per octave (0: no padding)
         supported = onednn_linear_supported(self.device, self.dtype)
         if not _option_enabled("prepack", prepack, supported, f"float32 on a CPU with oneDNN (got {self.dtype} on {self.device})"):
             return False
@@ -215,6 +217,8 @@ class LLM:
             skinny_gemm = None
         self.model.prepack(skinny_gemm=skinny_gemm)
         self.skinny_gemm_max_rows = skinny_gemm.max_rows if skinny_gemm is not None else 0
+        self.skinny_gemm_tile_rows = skinny_gemm.tile_rows if skinny_gemm is not None else 0
+        self.onednn_row_buckets = ONEDNN_BUCKETS_PER_OCTAVE
         return True
 
     def apply_fused_ops(self, fused_ops: bool | str) -> bool:
@@ -346,7 +350,7 @@ class LLM:
             return outputs + self.fail_step(plan, error)
         now = self.clock()
 
-        shape = StepShape.of(plan.scheduled, self.runner.min_decode_run)
+        shape = StepShape.of(plan.scheduled, self.runner.min_decode_run, self.cache.block_size)
         for item in plan.scheduled:
             if not item.is_padding:
                 item.seq.num_computed_tokens += item.num_new_tokens
@@ -452,6 +456,7 @@ class LLM:
                 context_tokens=shape.context_tokens,
                 prefill_attention_pairs=shape.prefill_attention_pairs,
                 padded_attention_pairs=shape.padded_attention_pairs,
+                shared_context_tokens=shape.shared_context_tokens,
             )
         )
 

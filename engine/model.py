@@ -49,13 +49,17 @@ def prepack_weight(weight: torch.Tensor, batch_hint: int = 32) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
 
 
-def onednn_row_bucket(rows: int) -> int:
-    """``rows`` rounded up to a multiple of a quarter of the power of two at or below it.
+#: row-count buckets per octave of :func:`onednn_row_bucket` (the simulator prices the padding)
+ONEDNN_BUCKETS_PER_OCTAVE = 4
+
+
+def onednn_row_bucket(rows: int, per_octave: int = ONEDNN_BUCKETS_PER_OCTAVE) -> int:
+    """``rows`` rounded up to a multiple of a quarter (``1 / per_octave``) of the power of two at or below it.
 
     oneDNN builds and keeps a primitive (~0.5 MiB, not released by its primitive cache) for every
     distinct row count it sees (docs/reliability.md); a server's prefill steps see every count up to
     ``max_num_batched_tokens``. Buckets bound that to 4 shapes per octave, with fewer than 25% padded rows."""
-    granule = max(1, (1 << (rows.bit_length() - 1)) // 4)
+    granule = max(1, (1 << (rows.bit_length() - 1)) // per_octave)
     return -(-rows // granule) * granule
 
 

@@ -92,6 +92,9 @@ class StepRecord:
             see :mod:`engine.step_shape`. ``None`` where an engine does not know them (peers).
         padded_attention_pairs: query-key pairs a dense (padded, masked) attention kernel computes for
             the step's prompt / chunk rows (:func:`engine.step_shape.padded_pairs`); ``None`` for peers.
+        shared_context_tokens: the part of ``context_tokens`` read from KV blocks another sequence of
+            the step reads too (prefix-cache sharing; :func:`engine.step_shape.shared_context_tokens`);
+            ``None`` for peers.
     """
 
     step: int
@@ -119,3 +122,4 @@ class StepRecord:
     context_tokens: int | None = None
     prefill_attention_pairs: int | None = None
     padded_attention_pairs: int | None = None
+    shared_context_tokens: int | None = None

@@ -23,10 +23,12 @@ _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 class SkinnyGemm:
     """``pack`` a weight once, then ``linear(x, packed, bias, out_features)`` = ``x @ W.T + b``;
-    ``max_rows``: the most rows for which this build beats oneDNN (larger inputs should not use it)."""
+    ``max_rows``: the most rows for which this build beats oneDNN (larger inputs should not use it);
+    ``tile_rows``: rows of its full register tile (8 with AVX-512, 4 with AVX2)."""
 
     def __init__(self) -> None:
         self.max_rows: int = native.function("gemm", "gemm_max_rows", [], _I64)()
+        self.tile_rows: int = native.function("gemm", "gemm_tile_rows", [], _I64)()
         self._numel = native.function("gemm", "packed_weight_numel", [_I64, _I64], _I64)
         self._pack = native.function("gemm", "pack_weight_f32", [_P, _I64, _I64, _P])
         self._gemm = native.function("gemm", "gemm_packed_f32", [_P, _I64, _I64, _I64, _P, _P, _I64, _P])

@@ -25,6 +25,11 @@ prices the very same shape (``simulator/cost_model.py``):
   each run with a prompt or chunk adds its rectangle. Fused kernels (vLLM's paged attention,
   FlashAttention, ``triton_paged``) compute the causal pairs instead; the cost model uses the
   pairs its hardware says the kernel computes (``Hardware.attention_pairs``).
+* shared context tokens: the part of the context tokens read from KV blocks that an earlier
+  sequence of the same step also reads (a prefix-cache block shared by several running
+  sequences: :func:`shared_context_tokens`). The attention kernel reads it once per sequence,
+  but after the first reader of a layer it comes from the CPU's / GPU's cache, not from memory,
+  so the cost model prices it apart from the rest of the context.
 
 Computed before the step updates ``num_computed_tokens``.
 """
@@ -71,6 +76,28 @@ def padded_pairs(query_lens: SequenceOf[int], context_lens: SequenceOf[int],
     return pairs
 
 
+def shared_context_tokens(scheduled: SequenceOf[ScheduledSequence], ends: SequenceOf[int], block_size: int) -> int:
+    """Context tokens the step's sequences read from full KV blocks that an earlier sequence of
+    the step reads too (``ends[i]``: keys of sequence ``i``).
+
+    Only the prefix cache shares blocks, and a shared block lies within the prefix a sequence hit
+    (its ``num_cached_tokens``) at the same index in every table (blocks are keyed by their chained
+    content), so only the step's longest hit is searched: a step without hits costs one pass
+    over its sequences."""
+    reach = max((item.seq.num_cached_tokens for item in scheduled), default=0) // block_size
+    if reach == 0:
+        return 0
+    seen: set[int] = set()
+    shared = 0
+    for item, end in zip(scheduled, ends):
+        for block in item.seq.block_table[:min(reach, end // block_size)]:
+            if block in seen:
+                shared += block_size
+            else:
+                seen.add(block)
+    return shared
+
+
 @dataclass(frozen=True)
 class StepShape:
     """Work of one step, summed over its scheduled sequences.
@@ -85,6 +112,8 @@ class StepShape:
         prefill_attention_pairs: causal query-key pairs of sequences computing > 1 row this step.
         padded_attention_pairs: query-key pairs a dense (padded, masked) attention kernel
             computes for the step's calls with more than one query row (:func:`padded_pairs`).
+        shared_context_tokens: the part of ``context_tokens`` read from KV blocks an earlier
+            sequence of the step also reads (:func:`shared_context_tokens`).
     """
 
     num_seqs: int
@@ -95,6 +124,7 @@ class StepShape:
     context_tokens: int
     prefill_attention_pairs: int
     padded_attention_pairs: int = 0
+    shared_context_tokens: int = 0
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -102,7 +132,8 @@ class StepShape:
         return self.num_rows - self.num_decode_tokens - self.num_wasted_slots
 
     @classmethod
-    def of(cls, scheduled: SequenceOf[ScheduledSequence], min_decode_run: int | None = MIN_DECODE_RUN) -> "StepShape":
+    def of(cls, scheduled: SequenceOf[ScheduledSequence], min_decode_run: int | None = MIN_DECODE_RUN,
+           block_size: int = 1) -> "StepShape":
         rows = decode = wasted = sampled = context = pairs = 0
         query_lens, ends = [], []
         for item in scheduled:  # runs every step: plain attribute reads, no Sequence properties
@@ -124,4 +155,5 @@ class StepShape:
             if num_new > 1:
                 pairs += num_new * start + num_new * (num_new + 1) // 2
         padded = padded_pairs(query_lens, ends, min_decode_run) if pairs else 0  # decode-only: no rectangle
-        return cls(len(scheduled), rows, decode, wasted, sampled, context, pairs, padded)
+        shared = shared_context_tokens(scheduled, ends, block_size)
+        return cls(len(scheduled), rows, decode, wasted, sampled, context, pairs, padded, shared)

@@ -52,16 +52,19 @@ NEEDED_COLUMNS = ("duration_s", "start_time", "end_time", "num_seqs", "num_prefi
 
 def step_shapes(steps: pd.DataFrame) -> list[StepShape]:
     """The shape of every recorded step (the columns ``engine.step_shape.StepShape`` wrote; padded
-    pairs 0 where not recorded: only a padded-pairs calibration reads them, and it replays them)."""
+    pairs 0 where not recorded: only a padded-pairs calibration reads them, and it replays them;
+    shared context 0 where not recorded: :func:`load_run` allows that only without a prefix cache)."""
     rows = steps.num_prefill_tokens + steps.num_decode_tokens + steps.num_wasted_slots
-    padded = steps.padded_attention_pairs if "padded_attention_pairs" in steps.columns else [0] * len(steps)
+    zeros = [0] * len(steps)
+    padded = steps.padded_attention_pairs if "padded_attention_pairs" in steps.columns else zeros
+    shared = steps.shared_context_tokens if "shared_context_tokens" in steps.columns else zeros
     return [
         StepShape(num_seqs=int(s), num_rows=int(r), num_decode_tokens=int(d), num_wasted_slots=int(w),
                   num_sampled=int(n), context_tokens=int(c), prefill_attention_pairs=int(a),
-                  padded_attention_pairs=int(p))
-        for s, r, d, w, n, c, a, p in zip(steps.num_seqs, rows, steps.num_decode_tokens, steps.num_wasted_slots,
-                                          steps.num_sampled, steps.context_tokens, steps.prefill_attention_pairs,
-                                          padded)
+                  padded_attention_pairs=int(p), shared_context_tokens=int(h))
+        for s, r, d, w, n, c, a, p, h in zip(steps.num_seqs, rows, steps.num_decode_tokens, steps.num_wasted_slots,
+                                             steps.num_sampled, steps.context_tokens, steps.prefill_attention_pairs,
+                                             padded, shared)
     ]
 
 
@@ -84,6 +87,9 @@ def load_run(run_dir: Path) -> tuple[dict, pd.DataFrame]:
     if missing:
         raise ValueError(f"{steps_file} lacks {missing}: rerun it with servelab's engine (HF peers and older runs "
                          "do not record the step shape)")
+    if "PrefixCache" in str((cfg.get("cache") or {}).get("_target_")) and "shared_context_tokens" not in steps.columns:
+        raise ValueError(f"{steps_file} ran the prefix cache but lacks shared_context_tokens (recorded since "
+                         "2026-11-30 17:11 UTC): rerun it")
     if attention_pairs(cfg) == "padded" and ("padded_attention_pairs" not in steps.columns
                                              or steps.padded_attention_pairs.isna().any()):
         steps = recovered_shapes(run_dir, steps)  # a run stored before the column: checked replay
@@ -92,12 +98,13 @@ def load_run(run_dir: Path) -> tuple[dict, pd.DataFrame]:
 
 def built_backend(run_dir: Path) -> dict:
     """What the run's ``summary.json`` says the engine built: ``attention_backend`` (the backend
-    ``attention=auto`` chose) and ``skinny_gemm_max_rows``; ``None`` where a run predates the record."""
+    ``attention=auto`` chose) and the linears' :data:`ENGINE_RECORDS`; ``None`` where a run
+    predates the record."""
     summary_file = run_dir / "summary.json"
     summary = json.loads(summary_file.read_text()) if summary_file.is_file() else {}
     environment = summary.get("environment") or {}
     return {"attention_backend": (summary.get("run") or {}).get("attention_backend"),
-            "skinny_gemm_max_rows": environment.get("skinny_gemm_max_rows")}
+            **{key: environment.get(key) for key in ENGINE_RECORDS}}
 
 
 def attention_pairs(cfg: dict) -> str:
@@ -118,29 +125,44 @@ def attention_pairs(cfg: dict) -> str:
                          f"computes ({error})") from error
 
 
-def run_small_batch_rows(run_dir: Path, cfg: dict, override: int | None) -> int:
-    """The few-row GEMM limit the run's engine used (its summary), or ``override`` where given."""
+#: how the run's engine ran its linears, per run: summary.json key -> (Hardware field, option, value for old runs)
+ENGINE_RECORDS = {
+    "skinny_gemm_max_rows": ("small_batch_rows", "--small-batch-rows",
+                             "24 for servelab before 2026-11-30 15:00 UTC, 128 after"),
+    "skinny_gemm_tile_rows": ("small_batch_tile_rows", "--small-batch-tile-rows",
+                              "8 for the AVX-512 build of 2026-11-30, 4 with AVX2"),
+    "onednn_row_buckets": ("large_batch_row_buckets", "--large-batch-row-buckets",
+                           "4 for prepacked runs from 2026-11-30 15:21 UTC, 0 before or without prepack"),
+}
+
+
+def run_engine_record(run_dir: Path, cfg: dict, key: str, override: int | None) -> int:
+    """What the run's engine recorded under ``key`` (:data:`ENGINE_RECORDS`), or ``override`` where given."""
     if override is not None:
         return override
-    recorded = (cfg.get("_backend") or {}).get("skinny_gemm_max_rows")
+    recorded = (cfg.get("_backend") or {}).get(key)
     if recorded is None:
-        raise ValueError(f"{run_dir}/summary.json does not record the engine's skinny_gemm_max_rows (a run made before "
-                         "it was recorded): pass --small-batch-rows (24 for servelab before 2026-11-30 15:00 UTC)")
+        _, option, hint = ENGINE_RECORDS[key]
+        raise ValueError(f"{run_dir}/summary.json does not record the engine's {key} (a run made before it was "
+                         f"recorded): pass {option} ({hint})")
     return int(recorded)
 
 
 def calibrate(run_dirs: Sequence[Path], peak_tflops: float, bandwidth_tbps: float,
-              small_batch_rows: int | None = None) -> tuple[Fit, dict, dict]:
+              overrides: dict[str, int | None] | None = None) -> tuple[Fit, dict, dict]:
     """Fit on all steps of ``run_dirs``; returns the fit, the model spec and what was fitted on.
 
-    ``small_batch_rows``: the few-row GEMM limit; ``None`` takes the one each run recorded (all
+    ``overrides``: by :data:`ENGINE_RECORDS` key, how the linears ran (the few-row GEMM's limit and
+    register tile, the oneDNN row buckets); missing or ``None`` takes what each run recorded (all
     runs must agree), a number overrides it (runs made before it was recorded)."""
+    overrides = overrides or {}
     configs, pairs, limits, terms, seconds = [], [], [], [], []
     for run_dir in run_dirs:
         cfg, steps = load_run(Path(run_dir))
         configs.append(cfg)
         pairs.append(attention_pairs(cfg))
-        limits.append(run_small_batch_rows(Path(run_dir), cfg, small_batch_rows))
+        limits.append({ENGINE_RECORDS[key][0]: run_engine_record(Path(run_dir), cfg, key, overrides.get(key))
+                       for key in ENGINE_RECORDS})
         if cfg["model"].get("hf_config") != configs[0]["model"].get("hf_config"):
             raise ValueError(f"{run_dir} ran model {cfg['model'].get('name')!r}, not {configs[0]['model'].get('name')!r}: "
                              "calibrate one model at a time")
@@ -148,20 +170,20 @@ def calibrate(run_dirs: Sequence[Path], peak_tflops: float, bandwidth_tbps: floa
             raise ValueError(f"{run_dir} ran a {pairs[-1]}-pairs attention backend, the first run a "
                              f"{pairs[0]} one: calibrate one kind of attention kernel at a time")
         if limits[-1] != limits[0]:
-            raise ValueError(f"{run_dir} ran linears of <= {limits[-1]} rows on the skinny GEMM, the first run "
-                             f"<= {limits[0]}: calibrate runs of one engine build at a time")
+            raise ValueError(f"{run_dir} ran its linears with {limits[-1]}, the first run with {limits[0]}: "
+                             "calibrate runs of one engine build at a time")
         units = Hardware(name="units", peak_tflops=peak_tflops, bandwidth_tbps=bandwidth_tbps,
-                         dtype_bytes=DTYPE_BYTES.get(cfg.get("dtype"), 4), attention_pairs=pairs[-1],
-                         small_batch_rows=limits[-1])
+                         dtype_bytes=DTYPE_BYTES.get(cfg.get("dtype"), 4), attention_pairs=pairs[-1], **limits[-1])
         model = CostModel(units, model_config_for_costs(hf_config_of(cfg["model"])[0]))
         terms += [model.terms(shape) for shape in step_shapes(steps)]
         seconds += (steps.duration_s + between_steps_s(steps)).tolist()
     first = configs[0]
     attention = first["_backend"]["attention_backend"] or (first.get("attention") or {}).get("_target_")
+    shared_kv_seen = any(t.shared_kv_s > 0 for t in terms)
     about = {"model": first["model"].get("name"), "dtype": first.get("dtype"),
              "dtype_bytes": DTYPE_BYTES.get(first.get("dtype"), 4), "device": first.get("device"),
              "attention": attention, "attention_pairs": pairs[0],
-             "small_batch_rows": limits[0],
+             **limits[0], "shared_kv_seen": shared_kv_seen,
              "engine": first.get("engine")}
     return fit_coefficients(terms, seconds, DISTURBED_RATIO), first["model"], about
 
@@ -171,6 +193,9 @@ def hardware_yaml(name: str, fit: Fit, about: dict, run_dirs: Sequence[Path], pe
     c = fit.coefficients
     runs = ", ".join(str(p) for p in run_dirs)
     engine_options = {k: v for k, v in (about["engine"] or {}).items() if not k.startswith("_")}
+    shared_kv = (f"{c['shared_kv_time_scale']:.6g}   # fitted: x (bytes of KV blocks another sequence of the step reads "
+                 "too / bandwidth_tbps)" if about["shared_kv_seen"] else
+                 "null   # not fitted: no calibration step shared a KV block (null: priced as kv_time_scale)")
     how = (f"python -m experiments.calibrate {' '.join(str(p) for p in run_dirs)} --name {name} ({when}); "
            f"{fit.num_kept} of {fit.num_steps} steps kept (the rest disturbed, > {DISTURBED_RATIO}x the fit), "
            f"R^2 {fit.r_squared:.3f}, median |relative error| {fit.median_abs_rel_error:.1%}"
@@ -191,8 +216,12 @@ seq_overhead_s: {c['seq_overhead_s']:.6g}   # fitted: per scheduled sequence
 linear_time_scale: {c['linear_time_scale']:.6g}   # fitted: x (linear FLOPs / peak_tflops)
 small_batch_rows: {about['small_batch_rows']}        # steps of <= this many rows take the few-row GEMM path (the runs' skinny_gemm_max_rows)
 small_batch_time_scale: {c['small_batch_time_scale']:.6g}   # fitted: extra x (linear FLOPs / peak_tflops) on those steps
+small_batch_tile_rows: {about['small_batch_tile_rows']}        # rows of the few-row GEMM's full register tile (the runs' skinny_gemm_tile_rows; 0: none)
+tile_tail_time_scale: {c['tile_tail_time_scale']:.6g}   # fitted: x (linear FLOPs / peak_tflops) of the rows outside full tiles, in pairs
+large_batch_row_buckets: {about['large_batch_row_buckets']}        # larger GEMMs compute rows padded to this many buckets per octave (the runs' onednn_row_buckets; 0: none)
 weight_time_scale: {c['weight_time_scale']:.6g}   # fitted: x (weight bytes / bandwidth_tbps) on weight-bound steps (0: none seen; step_overhead_s holds the read)
 kv_time_scale: {c['kv_time_scale']:.6g}   # fitted: x (KV bytes read / bandwidth_tbps)
+shared_kv_time_scale: {shared_kv}
 attention_time_scale: {c['attention_time_scale']:.6g}   # fitted: x (attention FLOPs / peak_tflops)
 attention_pairs: {about['attention_pairs']}     # pairs the calibrated attention backend computes (padded: gather + dense SDPA)
 calibrated: true            # fitted on a real machine (summaries say "simulated, calibrated")
@@ -210,6 +239,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--small-batch-rows", type=int, default=None,
                         help="steps of at most this many rows are in the small-batch GEMM regime (0: none); "
                              "default: the skinny_gemm_max_rows each run's summary.json records")
+    parser.add_argument("--small-batch-tile-rows", type=int, default=None,
+                        help="rows of the few-row GEMM's full register tile (0: no tile term); "
+                             "default: the skinny_gemm_tile_rows each run's summary.json records")
+    parser.add_argument("--large-batch-row-buckets", type=int, default=None,
+                        help="larger GEMMs pad their rows to this many buckets per octave (0: none); "
+                             "default: the onednn_row_buckets each run's summary.json records")
     parser.add_argument("--min-steps", type=int, default=30, help="fewer steps: refuse to fit")
     parser.add_argument("--min-r2", type=float, default=0.9, help="a fit with lower R^2: refuse to write")
     parser.add_argument("--out-dir", type=Path, default=HARDWARE_DIR, help="where hardware files live")
@@ -221,7 +256,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{target} exists; pick another --name or pass --overwrite", file=sys.stderr)
         return 2
     try:
-        fit, _, about = calibrate(args.run_dirs, args.peak_tflops, args.bandwidth_tbps, args.small_batch_rows)
+        fit, _, about = calibrate(args.run_dirs, args.peak_tflops, args.bandwidth_tbps, {
+            "skinny_gemm_max_rows": args.small_batch_rows, "skinny_gemm_tile_rows": args.small_batch_tile_rows,
+            "onednn_row_buckets": args.large_batch_row_buckets})
     except ValueError as error:
         print(f"calibration failed: {error}", file=sys.stderr)
         return 2

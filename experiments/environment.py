@@ -64,6 +64,8 @@ def applied_options(engine: Any) -> dict[str, Any]:
         "cache_class": type(engine.cache).__name__ if hasattr(engine, "cache") else None,
         "prepacked": getattr(engine, "prepacked", None),
         "skinny_gemm_max_rows": getattr(engine, "skinny_gemm_max_rows", None),  # few-row GEMM path (simulator calibration)
+        "skinny_gemm_tile_rows": getattr(engine, "skinny_gemm_tile_rows", None),  # its register tile (simulator calibration)
+        "onednn_row_buckets": getattr(engine, "onednn_row_buckets", None),  # row padding of prepacked linears (same)
         "fused_ops": getattr(engine, "fused", None),
         # decode-sized steps run each decoder layer as one C call (engine/native_layers.py)
         "native_layers": getattr(getattr(engine, "model", None), "native_layers", None) is not None,

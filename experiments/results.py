@@ -37,7 +37,7 @@ STEP_COLUMNS = [
     "num_wasted_slots", "kv_used_tokens", "kv_reserved_tokens", "kv_capacity_tokens", "num_preempted",
     "prefix_hit_tokens", "num_waiting", "num_running", "forward_passes",
     "swap_out_blocks", "swap_in_blocks", "swap_out_bytes", "swap_in_bytes", "swap_time_s",
-    "num_sampled", "context_tokens", "prefill_attention_pairs", "padded_attention_pairs",
+    "num_sampled", "context_tokens", "prefill_attention_pairs", "padded_attention_pairs", "shared_context_tokens",
 ]
 
 

@@ -8,27 +8,39 @@ per attention call that a dense masked kernel computes (``Hardware.attention_pai
 gather backends pad; FlashAttention and paged kernels do not). With the model's shapes
 (:mod:`simulator.model_shapes`) they become ideal times at datasheet peaks:
 
-* ``t_lin  = (T * 2 * layer_params + R * 2 * vocab * hidden) / peak_flops``  (GEMMs)
+* ``t_lin  = (pad(T) * 2 * layer_params + pad(R) * 2 * vocab * hidden) / peak_flops``  (GEMMs; ``pad``: the
+  rows a GEMM of more than ``small_batch_rows`` rows computes, up to its row bucket)
 * ``t_small = t_lin`` if ``T <= small_batch_rows`` else 0                     (GEMMs of few rows)
+* ``t_tail = (tail(T) * 2 * layer_params + tail(R) * 2 * vocab * hidden) / peak_flops``  (remainder tiles)
 * ``t_w    = weight_bytes / bandwidth``                                    (stream the weights once)
-* ``t_kv   = C * kv_bytes_per_token / bandwidth``                          (attention reads the KV cache)
+* ``t_kv   = (C - C_shared) * kv_bytes_per_token / bandwidth``             (attention reads the KV cache)
+* ``t_kv_shared = C_shared * kv_bytes_per_token / bandwidth``               (blocks another sequence of the step reads too)
 * ``t_attn = A * 4 * layers * heads * head_dim / peak_flops``               (prefill attention)
 
 and the step time is
 
-    t = c_step + c_seq * S + max(c_lin * t_lin + c_small * t_small, c_w * t_w) + c_kv * t_kv + c_attn * t_attn
+    t = c_step + c_seq * S + max(c_lin * t_lin + c_small * t_small, c_w * t_w) + c_tail * t_tail
+        + c_kv * t_kv + c_kv_shared * t_kv_shared + c_attn * t_attn
 
 The ``max`` is the roofline of the linear layers: a small decode batch waits for the weights to
 stream, a large prefill waits for the math. ``c_small`` prices the GEMM efficiency lost on
 batches of few rows where the weight read does not bound them (a CPU: a decode row through a
-few-row GEMM costs about twice a row of a large one). Every ``c`` is >= 0: ``c_step`` / ``c_seq``
-are overheads in seconds, the others are 1 / efficiency against the datasheet.
+few-row GEMM costs about twice a row of a large one). ``t_tail`` is tile quantization of the
+few-row GEMM: it computes a batch in register tiles of ``small_batch_tile_rows`` rows, and the
+rows left over (``tail``: :func:`tile_tail_rows`) run as smaller tiles, each one more pass over
+the weights at a lower FMA rate, so 8 rows cost less than 7 (docs/simulator.md measures it).
+``C_shared`` is the context read from KV blocks that an earlier sequence of the same step reads
+too (a shared prefix in the prefix cache): the kernel reads it per sequence, but from the
+CPU's / GPU's caches, so it costs less than memory reads (``c_kv_shared``; ``None`` in a hardware
+file: as ``c_kv``).
+Every ``c`` is >= 0: ``c_step`` / ``c_seq`` are overheads in seconds, the others are
+1 / efficiency against the datasheet.
 
 **Fitting** (``experiments.calibrate``): the ``max`` splits the steps into two regimes, so the fit
 searches the crossover: for every candidate row count ``r`` (and "none"), steps of at most ``r``
 rows are weight-bound (their row of the design matrix carries ``t_w`` and no GEMM terms), the
 others compute-bound (GEMM terms, no ``t_w``), and ``t = X c`` is solved for
-``c = (c_step, c_seq, c_lin, c_small, c_w, c_kv, c_attn)`` by non-negative least squares
+``c = (c_step, c_seq, c_lin, c_small, c_w, c_kv, c_attn, c_tail, c_kv_shared)`` by non-negative least squares
 (``scipy.optimize.nnls``); the crossover with the smallest relative error wins. On one model the
 weight read is the same every step, so ``c_w`` is identified only by the contrast between the
 regimes; with no weight-bound steps it stays 0 and ``c_step`` holds the weight read. The targets
@@ -42,6 +54,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from engine.model import onednn_row_bucket
 from engine.model_config import ModelConfig
 from engine.step_shape import StepShape
 from simulator import model_shapes
@@ -49,9 +62,25 @@ from simulator.hardware import Hardware
 
 #: columns of the calibration design matrix, in order
 FIT_TERMS = ("step_overhead_s", "seq_overhead_s", "linear_time_scale", "small_batch_time_scale", "weight_time_scale",
-             "kv_time_scale", "attention_time_scale")
+             "kv_time_scale", "attention_time_scale", "tile_tail_time_scale", "shared_kv_time_scale")
 _GEMM_COLUMNS = [FIT_TERMS.index("linear_time_scale"), FIT_TERMS.index("small_batch_time_scale")]
 _WEIGHT_COLUMN = FIT_TERMS.index("weight_time_scale")
+
+
+def tile_tail_rows(rows: int, tile_rows: int, max_rows: int) -> int:
+    """Rows of a ``rows``-row GEMM that the few-row kernel computes outside its full register
+    tiles of ``tile_rows`` rows, counted in pairs (0 where the kernel is not used).
+
+    servelab's skinny GEMM (``engine/csrc/gemm.c``) runs ``rows // tile_rows`` full tiles, then
+    the rest as tiles of 4, 2 and 1 rows, each a further pass over the weights; a one-row tile
+    costs as much as a two-row one (both are bound by loading the weights, not by the FMAs), so
+    the remainder counts rounded up to even. A GEMM of one row is the plain weight stream (the
+    weight term), nothing more. Measured on SmolLM2-135M's shapes in docs/simulator.md.
+    """
+    if tile_rows <= 0 or rows <= 1 or rows > max_rows:
+        return 0
+    rest = rows % tile_rows
+    return rest + rest % 2
 
 
 @dataclass(frozen=True)
@@ -65,11 +94,13 @@ class StepTerms:
     weights_s: float
     kv_s: float
     attention_s: float
+    tile_tail_s: float
+    shared_kv_s: float
 
     def fit_row(self) -> list[float]:
         """The calibration features, in :data:`FIT_TERMS` order."""
         return [1.0, float(self.num_seqs), self.linear_s, self.small_batch_linear_s, self.weights_s, self.kv_s,
-                self.attention_s]
+                self.attention_s, self.tile_tail_s, self.shared_kv_s]
 
 
 class CostModel:
@@ -85,17 +116,31 @@ class CostModel:
         self.attention_s_per_pair = model_shapes.attention_flops_per_pair(model_config) / flops
         self.padded_attention = hardware.attention_pairs == "padded"
 
+    def tail(self, rows: int) -> int:
+        return tile_tail_rows(rows, self.hardware.small_batch_tile_rows, self.hardware.small_batch_rows)
+
+    def padded(self, rows: int) -> int:
+        """Rows a GEMM of ``rows`` rows computes: past the few-row path, up to its row bucket."""
+        hw = self.hardware
+        if hw.large_batch_row_buckets <= 0 or rows <= max(hw.small_batch_rows, 1):
+            return rows
+        return onednn_row_bucket(rows, hw.large_batch_row_buckets)
+
     def terms(self, shape: StepShape) -> StepTerms:
-        linear_s = shape.num_rows * self.linear_s_per_row + shape.num_sampled * self.lm_head_s_per_row
+        linear_s = (self.padded(shape.num_rows) * self.linear_s_per_row
+                    + self.padded(shape.num_sampled) * self.lm_head_s_per_row)
         return StepTerms(
             num_seqs=shape.num_seqs,
             num_rows=shape.num_rows,
             linear_s=linear_s,
             small_batch_linear_s=linear_s if shape.num_rows <= self.hardware.small_batch_rows else 0.0,
             weights_s=self.weights_s,
-            kv_s=shape.context_tokens * self.kv_s_per_token,
+            kv_s=(shape.context_tokens - shape.shared_context_tokens) * self.kv_s_per_token,
             attention_s=(shape.padded_attention_pairs if self.padded_attention else shape.prefill_attention_pairs)
             * self.attention_s_per_pair,
+            tile_tail_s=self.tail(shape.num_rows) * self.linear_s_per_row
+            + self.tail(shape.num_sampled) * self.lm_head_s_per_row,
+            shared_kv_s=shape.shared_context_tokens * self.kv_s_per_token,
         )
 
     def step_time(self, shape: StepShape) -> float:
@@ -106,7 +151,9 @@ class CostModel:
             + hw.seq_overhead_s * terms.num_seqs
             + max(hw.linear_time_scale * terms.linear_s + hw.small_batch_time_scale * terms.small_batch_linear_s,
                   hw.weight_time_scale * terms.weights_s)
+            + hw.tile_tail_time_scale * terms.tile_tail_s
             + hw.kv_time_scale * terms.kv_s
+            + hw.shared_kv_scale * terms.shared_kv_s
             + hw.attention_time_scale * terms.attention_s
         )
 

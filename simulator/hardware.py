@@ -40,8 +40,22 @@ class Hardware:
         small_batch_time_scale: extra multiplier on linear FLOPs / peak in that regime: a GEMM of a
             few rows reuses each weight it loads only a few times, so it runs further below peak
             than a large one (on GPUs the weight-read roofline covers this: 0 there).
+        small_batch_tile_rows: rows of the few-row GEMM's full register tile (0: no tiling effect;
+            servelab's CPU engine: 8 with AVX-512, 4 with AVX2). Rows of a step of at most
+            ``small_batch_rows`` rows that do not fill a full tile run as smaller remainder tiles,
+            each one more pass over the weights (:func:`simulator.cost_model.tile_tail_rows`).
+        tile_tail_time_scale: multiplier on linear FLOPs / peak of those remainder rows (added,
+            outside the roofline ``max``: they are passes over weights already streamed).
+        large_batch_row_buckets: GEMMs of more than ``small_batch_rows`` rows run on rows padded up
+            to buckets, this many per octave (servelab's prepacked oneDNN linears: 4, i.e. a
+            multiple of a quarter of the power of two at or below; ``engine.model.onednn_row_bucket``);
+            0: no padding. The padded rows are computed, so the GEMM FLOPs count them.
         weight_time_scale: multiplier on weight bytes / bandwidth (1 / achieved bandwidth share).
         kv_time_scale: multiplier on KV bytes read / bandwidth (attention's memory side).
+        shared_kv_time_scale: multiplier on the bytes of KV blocks that another sequence of the
+            same step reads too (a shared prefix: read again from the cache, not from memory);
+            ``None``: as ``kv_time_scale`` (no reuse assumed; a calibration without shared blocks
+            cannot tell).
         attention_time_scale: multiplier on attention FLOPs / peak (quadratic prefill term).
         attention_pairs: which query-key pairs of prompt / chunk rows the attention kernel computes:
             ``"causal"`` (fused paged / flash kernels skip masked keys; the presets) or ``"padded"``
@@ -64,8 +78,12 @@ class Hardware:
     linear_time_scale: float = 1.0
     small_batch_rows: int = 0
     small_batch_time_scale: float = 0.0
+    small_batch_tile_rows: int = 0
+    tile_tail_time_scale: float = 0.0
+    large_batch_row_buckets: int = 0
     weight_time_scale: float = 1.0
     kv_time_scale: float = 1.0
+    shared_kv_time_scale: float | None = None
     attention_time_scale: float = 1.0
     attention_pairs: str = "causal"
     calibrated: bool = False
@@ -83,9 +101,16 @@ class Hardware:
             raise ValueError(f"hardware {self.name!r}: attention_pairs must be one of {ATTENTION_PAIRS}, "
                              f"got {self.attention_pairs!r}")
         scales = (self.step_overhead_s, self.seq_overhead_s, self.linear_time_scale, self.weight_time_scale,
-                  self.kv_time_scale, self.attention_time_scale, self.small_batch_rows, self.small_batch_time_scale)
+                  self.kv_time_scale, self.attention_time_scale, self.small_batch_rows, self.small_batch_time_scale,
+                  self.small_batch_tile_rows, self.tile_tail_time_scale, self.large_batch_row_buckets,
+                  self.shared_kv_scale)
         if min(scales) < 0:
             raise ValueError(f"hardware {self.name!r}: overheads and time scales must be >= 0")
+
+    @property
+    def shared_kv_scale(self) -> float:
+        """The multiplier shared KV blocks are priced with (``shared_kv_time_scale``, else ``kv_time_scale``)."""
+        return self.kv_time_scale if self.shared_kv_time_scale is None else self.shared_kv_time_scale
 
     @property
     def flops_per_s(self) -> float:

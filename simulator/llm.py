@@ -121,7 +121,7 @@ class SimulatedLLM(LLM):
         self.config = cfg
         self.build_scheduling(cfg, allocate_kv=False)
         self.virtual_clock = VirtualClock()
-        self.runner = CostModelRunner(CostModel(hardware, self.model_config), self.virtual_clock)
+        self.runner = CostModelRunner(CostModel(hardware, self.model_config), self.virtual_clock, self.cache.block_size)
         self.sampler = StandInSampler(self.model_config.vocab_size, self.model_config.eos_token_ids, int(cfg.seed),
                                       mean_output_tokens)
         self.timing_label = hardware.timing_label

@@ -46,9 +46,10 @@ class SimulatedStep:
 class CostModelRunner:
     """Prices a step instead of running it."""
 
-    def __init__(self, cost_model: CostModel, clock: VirtualClock) -> None:
+    def __init__(self, cost_model: CostModel, clock: VirtualClock, block_size: int) -> None:
         self.cost_model = cost_model
         self.clock = clock
+        self.block_size = block_size  # the cache's (shared KV blocks)
         self.min_decode_run = MIN_DECODE_RUN  # the real runner's split of mixed steps (padded attention pairs)
 
     def prepare(self, scheduled: list[ScheduledSequence]) -> SimulatedStep:
@@ -56,7 +57,7 @@ class CostModelRunner:
             item for item in scheduled
             if item.is_padding or item.seq.num_computed_tokens + item.num_new_tokens == item.seq.num_tokens
         ]
-        return SimulatedStep(sampled=sampled, shape=StepShape.of(scheduled, self.min_decode_run))
+        return SimulatedStep(sampled=sampled, shape=StepShape.of(scheduled, self.min_decode_run, self.block_size))
 
     def execute(self, step: SimulatedStep) -> SimulatedStep:
         self.clock.advance(self.cost_model.step_time(step.shape))

@@ -7,7 +7,7 @@ import yaml
 
 from engine.config import CONF_DIR
 from engine.step_shape import StepShape, attention_runs, padded_pairs
-from simulator.cost_model import CostModel, fit_coefficients, predict
+from simulator.cost_model import CostModel, fit_coefficients, predict, tile_tail_rows
 from simulator.hardware import Hardware
 from simulator.llm import SimulatedLLM, kv_capacity_from_memory
 from simulator.model_shapes import model_config_for_costs, parameter_count
@@ -16,9 +16,10 @@ TINY = model_config_for_costs(yaml.safe_load((CONF_DIR / "model" / "tiny.yaml").
 LLAMA_8B = model_config_for_costs(yaml.safe_load((CONF_DIR / "model" / "llama-3.1-8b.yaml").read_text())["hf_config"])
 
 
-def shape(seqs=1, rows=1, decode=1, sampled=1, context=1, pairs=0) -> StepShape:
+def shape(seqs=1, rows=1, decode=1, sampled=1, context=1, pairs=0, shared=0) -> StepShape:
     return StepShape(num_seqs=seqs, num_rows=rows, num_decode_tokens=decode, num_wasted_slots=0,
-                     num_sampled=sampled, context_tokens=context, prefill_attention_pairs=pairs)
+                     num_sampled=sampled, context_tokens=context, prefill_attention_pairs=pairs,
+                     shared_context_tokens=shared)
 
 
 def test_padded_pairs_by_hand():
@@ -52,6 +53,79 @@ def test_small_batch_regime_prices_steps_of_few_rows_only():
         terms = model.terms(step)
         assert terms.small_batch_linear_s == (terms.linear_s if extra else 0.0)
         assert model.step_time(step) == pytest.approx((1 + extra) * terms.linear_s + terms.kv_s, rel=1e-12)
+
+
+def test_tile_tail_rows_by_hand():
+    """The few-row GEMM's remainder tiles: rows past the full 8-row tiles, in pairs; one row alone
+    is the weight stream; above the kernel's limit oneDNN runs the GEMM."""
+    expected = {1: 0, 2: 2, 3: 4, 4: 4, 5: 6, 7: 8, 8: 0, 9: 2, 15: 8, 16: 0, 17: 2, 128: 0, 129: 0}
+    assert {rows: tile_tail_rows(rows, 8, 128) for rows in expected} == expected
+    assert [tile_tail_rows(rows, 4, 32) for rows in (3, 4, 5, 7, 33)] == [4, 0, 2, 4, 0]  # AVX2's 4-row tile
+    assert tile_tail_rows(7, 0, 128) == 0  # no tiled kernel (the GPU presets)
+
+
+def test_tile_tail_makes_seven_rows_cost_more_than_eight():
+    """The measured shape of the skinny GEMM (docs/simulator.md): a step of 8 decode rows is
+    cheaper than one of 7; the tail term, priced by hand, is what makes it so."""
+    hw = Hardware(name="unit", peak_tflops=1, bandwidth_tbps=1, dtype_bytes=4, weight_time_scale=0.0,
+                  small_batch_rows=128, small_batch_tile_rows=8, tile_tail_time_scale=0.5)
+    model = CostModel(hw, TINY)
+    layer_flops, head_flops = 2 * 2 * (64 * 128 + 64 * 64 + 3 * 64 * 128 + 2 * 64), 2 * 512 * 64
+    for rows, tail in ((7, 8), (8, 0), (9, 2)):
+        step = shape(seqs=rows, rows=rows, decode=rows, sampled=rows, context=rows)
+        terms = model.terms(step)
+        assert terms.tile_tail_s == pytest.approx(tail * (layer_flops + head_flops) * 1e-12, rel=1e-12)
+        assert model.step_time(step) == pytest.approx(terms.linear_s + 0.5 * terms.tile_tail_s + terms.kv_s, rel=1e-12)
+    seven, eight = (model.step_time(shape(seqs=n, rows=n, decode=n, sampled=n, context=n)) for n in (7, 8))
+    assert seven > eight
+
+
+def test_larger_gemms_are_priced_on_their_padded_rows():
+    """servelab's prepacked oneDNN linears compute rows padded to 4 buckets per octave
+    (``engine.model.onednn_row_bucket``): 129 rows cost 160, 913 cost 1,024; the few-row path
+    (<= 128 rows) and a hardware without buckets compute the rows as they are."""
+    base = dict(name="unit", peak_tflops=1, bandwidth_tbps=1, weight_time_scale=0.0, small_batch_rows=128)
+    padded, plain = CostModel(Hardware(**base, large_batch_row_buckets=4), TINY), CostModel(Hardware(**base), TINY)
+    for rows, computed in ((128, 128), (129, 160), (200, 224), (913, 1024), (1024, 1024)):
+        step = shape(seqs=1, rows=rows, decode=0, sampled=1, context=rows)
+        assert padded.terms(step).linear_s == pytest.approx(
+            computed * padded.linear_s_per_row + padded.lm_head_s_per_row, rel=1e-12)
+        assert plain.terms(step).linear_s == pytest.approx(rows * plain.linear_s_per_row + plain.lm_head_s_per_row,
+                                                           rel=1e-12)
+
+
+def test_shared_context_counts_blocks_read_twice_in_a_step():
+    """Three requests on the prefix cache (blocks of 4): the first computes a 10-token prompt,
+    the next two hit its 2 full blocks; once all three decode together, 2 sequences re-read
+    those 8 tokens (16 shared), and the third block (partial, its owner's alone) is not shared."""
+    from engine import SamplingParams
+
+    llm = SimulatedLLM(model="tiny", hardware="h100", cache="prefix", block_size=4, capacity_tokens=256)
+    prompt = list(range(10, 20))
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    llm.add_request(prompt, params)
+    llm.step()  # the leader's prefill fills the cache
+    llm.add_request(prompt[:8] + [30, 31], params)
+    llm.add_request(prompt[:8] + [40], params)
+    while llm.has_unfinished():
+        llm.step()
+    records = llm.step_records
+    assert [r.prefix_hit_tokens for r in records[:2]] == [0, 16]
+    decode_all = [r for r in records if r.num_decode_tokens == 3]
+    assert decode_all and all(r.shared_context_tokens == 16 for r in decode_all)
+    assert records[0].shared_context_tokens == 0  # one sequence: nothing to share
+
+
+def test_shared_context_is_priced_by_its_own_scale():
+    step = shape(seqs=3, rows=3, decode=3, sampled=3, context=300, shared=200)
+    base = dict(name="unit", peak_tflops=1, bandwidth_tbps=1, dtype_bytes=4, weight_time_scale=0.0, kv_time_scale=2.0)
+    per_token = 2 * 2 * 32 * 4 * 1e-12  # tiny's K and V bytes per token, at 1 TB/s
+    cheap = CostModel(Hardware(**base, shared_kv_time_scale=0.5), TINY)
+    terms = cheap.terms(step)
+    assert (terms.kv_s, terms.shared_kv_s) == pytest.approx((100 * per_token, 200 * per_token), rel=1e-12)
+    assert cheap.step_time(step) == pytest.approx(terms.linear_s + 2.0 * terms.kv_s + 0.5 * terms.shared_kv_s, rel=1e-12)
+    unknown = CostModel(Hardware(**base), TINY)  # not calibrated with shared blocks: as the rest of the KV
+    assert unknown.step_time(step) == pytest.approx(terms.linear_s + 2.0 * 300 * per_token, rel=1e-12)
 
 
 def test_parameter_counts_match_the_published_sizes():
@@ -96,18 +170,21 @@ def test_more_work_never_costs_less():
 
 
 def test_nnls_recovers_known_coefficients_and_sets_aside_disturbed_steps():
-    units = Hardware(name="units", peak_tflops=0.15, bandwidth_tbps=0.025, dtype_bytes=4, small_batch_rows=24)
+    units = Hardware(name="units", peak_tflops=0.15, bandwidth_tbps=0.025, dtype_bytes=4, small_batch_rows=24,
+                     small_batch_tile_rows=8)
     model = CostModel(units, TINY)
-    rng = np.random.default_rng(0)
+    rng, prefix_rng = np.random.default_rng(0), np.random.default_rng(7)
     shapes = []
     for _ in range(200):
         seqs = int(rng.integers(1, 32))
         prefill = int(rng.integers(0, 400)) if rng.random() < 0.3 else 0
         rows = seqs + prefill
         context = seqs * int(rng.integers(16, 400))
-        shapes.append(shape(seqs=seqs, rows=rows, decode=seqs, sampled=seqs, context=context,
-                            pairs=prefill * (prefill + 1) // 2))
-    truth = np.array([0.01, 0.0015, 0.4, 3.0, 0.0, 2.0, 7.0])  # no weight-bound regime (c_w = 0)
+        shared = (seqs - 1) * 16 * int(prefix_rng.integers(0, 100)) if prefix_rng.random() < 0.3 else 0  # a shared prefix
+        shapes.append(shape(seqs=seqs, rows=rows, decode=seqs, sampled=seqs, context=context + shared,
+                            pairs=prefill * (prefill + 1) // 2, shared=shared))
+    # no weight-bound regime (c_w = 0); c_tail large enough that tiny's few tail rows stand out of the noise
+    truth = np.array([0.01, 0.0015, 0.4, 3.0, 0.0, 2.0, 7.0, 50.0, 0.7])
     seconds = np.array([model.terms(s).fit_row() for s in shapes]) @ truth
     seconds = seconds * rng.uniform(0.999, 1.001, size=len(seconds))  # timer-level noise
     seconds[::20] *= 10  # every 20th step disturbed by another process
@@ -124,7 +201,7 @@ def test_fit_finds_the_weight_bound_regime_of_small_batches():
     per_row = model.linear_s_per_row + model.lm_head_s_per_row
     c_lin = 0.4
     c_w = c_lin * 10.5 * per_row / model.weights_s  # decode batches of <= 10 rows are weight-bound
-    truth = np.array([0.01, 0.0015, c_lin, 0.0, c_w, 2.0, 7.0])
+    truth = np.array([0.01, 0.0015, c_lin, 0.0, c_w, 2.0, 7.0, 0.0, 0.0])
     rng = np.random.default_rng(1)
     shapes = []
     for _ in range(300):

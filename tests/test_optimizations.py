@@ -157,6 +157,9 @@ def test_skinny_gemm_serves_decode_batches_and_onednn_the_rest(odd_ckpt):
     model = llm.model
     layer = model.layers[0].self_attn.qkv_proj  # biased
     assert layer.skinny is not None and layer.bias is not None and layer.skinny_max_rows >= 32
+    # the register tile the simulator's cost model prices (engine/csrc/gemm.c: 8 rows with AVX-512, 4 with AVX2)
+    assert llm.skinny_gemm_tile_rows == layer.skinny_gemm.tile_rows == {128: 8, 32: 4}[layer.skinny_max_rows]
+    assert llm.onednn_row_buckets == 4  # larger inputs: rows padded to onednn_row_bucket (the cost model prices it)
     calls = []
     skinny_linear = layer.skinny_gemm.linear
     layer.skinny_gemm.linear = lambda *args: calls.append(args[0].shape[0]) or skinny_linear(*args)
@@ -210,7 +213,8 @@ def test_skinny_gemm_every_row_tile_and_panel_edge(tmp_path):
 def test_prepack_rejected_where_unsupported(tiny_llama_ckpt):
     with pytest.raises(ValueError, match="prepack"):
         build(tiny_llama_ckpt, prepack="yes")
-    assert not build(tiny_llama_ckpt, dtype="bfloat16", prepack="auto").prepacked
+    unpacked = build(tiny_llama_ckpt, dtype="bfloat16", prepack="auto")
+    assert not unpacked.prepacked and unpacked.onednn_row_buckets == 0 and unpacked.skinny_gemm_tile_rows == 0
     with pytest.raises(ValueError, match="float32"):
         build(tiny_llama_ckpt, dtype="bfloat16", prepack=True)
 

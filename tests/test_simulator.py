@@ -15,7 +15,8 @@ from simulator import SimulatedLLM
 
 COMPOSITION = ("num_seqs", "num_prefill_tokens", "num_decode_tokens", "num_wasted_slots", "num_preempted",
                "prefix_hit_tokens", "kv_used_tokens", "kv_reserved_tokens", "kv_capacity_tokens",
-               "num_waiting", "num_running", "context_tokens", "prefill_attention_pairs", "padded_attention_pairs")
+               "num_waiting", "num_running", "context_tokens", "prefill_attention_pairs", "padded_attention_pairs",
+               "shared_context_tokens")
 SYSTEM_PROMPT = [7 + (i * 13) % 400 for i in range(24)]  # shared by the first requests: prefix hits
 
 
@@ -61,9 +62,10 @@ def test_simulated_steps_equal_real_steps(cache, scheduler):
     assert [(o.request_id, len(o.token_ids), o.num_preemptions, o.num_cached_tokens) for o in sim_outputs] == \
         [(o.request_id, len(o.token_ids), o.num_preemptions, o.num_cached_tokens) for o in real_outputs]
     totals = {name: sum(step[COMPOSITION.index(name)] for step in real_steps)
-              for name in ("num_preempted", "prefix_hit_tokens", "num_wasted_slots")}
+              for name in ("num_preempted", "prefix_hit_tokens", "num_wasted_slots", "shared_context_tokens")}
     assert (totals["num_preempted"] > 0) == (scheduler == "preemptive" and cache != "contiguous")
     assert (totals["prefix_hit_tokens"] > 0) == (cache == "prefix")
+    assert (totals["shared_context_tokens"] > 0) == (cache == "prefix")  # hit blocks read by two sequences of a step
     assert (totals["num_wasted_slots"] > 0) == (scheduler == "static")
     simulated.free_blocks_check()
 

@@ -52,6 +52,11 @@ static inline vecf vbroadcast(float value) { return (vecf){0} + value; }
  * (oneDNN wins again only for prompt-sized inputs), the 4 x 24 AVX2 tile up to 32 (equal there). */
 int64_t gemm_max_rows(void) { return MR == 8 ? 128 : 32; }
 
+/* Rows of x per full register tile (MR): a batch runs as M / MR full tiles, then the rest as
+ * tiles of 4 (AVX-512), 2 and 1 rows, each one more pass over the weights (the simulator's
+ * cost model prices those remainder rows: docs/simulator.md). */
+int64_t gemm_tile_rows(void) { return MR; }
+
 /* Number of floats of the packed weight for N x K: ceil(N / NR) panels of K x NR. */
 int64_t packed_weight_numel(int64_t n, int64_t k) { return (n + NR - 1) / NR * k * NR; }
 
