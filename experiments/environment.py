@@ -65,6 +65,7 @@ def applied_options(engine: Any) -> dict[str, Any]:
         "prepacked": getattr(engine, "prepacked", None),
         "skinny_gemm_max_rows": getattr(engine, "skinny_gemm_max_rows", None),  # few-row GEMM path (simulator calibration)
         "fused_ops": getattr(engine, "fused", None),
+        "quantized_weights": getattr(engine, "quantized_weights", None),  # GGUF blocks used for few-row matmuls
         "kept_freed_memory": getattr(engine, "kept_freed_memory", None),
         "cuda_graphs": getattr(runner, "graphs", None) is not None if runner is not None else None,
         "server_command": getattr(engine, "server_command", None),  # a server the run started (HTTP engines)
