@@ -19,6 +19,7 @@ import itertools
 import time
 import warnings
 from collections.abc import Mapping
+from pathlib import Path
 from collections.abc import Sequence as SequenceOf
 from typing import Any
 
@@ -224,7 +225,7 @@ class LLM:
         self.skinny_gemm_max_rows = skinny_gemm.max_rows if skinny_gemm is not None else 0
         return True
 
-    def apply_quantized_weights(self, quantized: bool | str, checkpoint) -> dict[str, Any] | None:
+    def apply_quantized_weights(self, quantized: bool | str, checkpoint: Path) -> dict[str, Any] | None:
         """``{"types": {GGUF type: weights using it}, "max_rows": rows}`` where applied, else ``None``."""
         cpu_float32 = self.device.type == "cpu" and self.dtype == torch.float32
         blocks = load_quantized_blocks(checkpoint, self.model_config) if cpu_float32 and quantized is not False else {}
