@@ -20,7 +20,13 @@ peers and the tests all load the very same weights:
   the inverse permutation is applied here. Qwen2 files are not permuted;
 * no ``output.weight`` means the LM head is tied to the token embedding;
 * the tokenizer and chat template are converted by ``transformers`` (its GGUF tokenizer
-  converters) and saved as ``tokenizer.json`` / ``tokenizer_config.json``.
+  converters) and saved as ``tokenizer.json`` / ``tokenizer_config.json``;
+* the matrices stored as Q4_1 or Q8_0 (the types :mod:`engine.quantized_gemm` reads) are also
+  kept as they are in the file, their raw blocks (Q/K rows un-permuted: a row is whole blocks),
+  in ``gguf_blocks/blocks.safetensors`` (uint8 ``[rows, bytes per row]`` under the HF name, the
+  type in the file's metadata). Decode steps then read 4- or 8-bit weights instead of float32
+  (:func:`load_gguf_blocks`; ``quantized_weights`` in ``conf/engine/servelab.yaml``); the float32
+  tensors stay the checkpoint (prefill, other devices, the HF peers). Other types: float32 only.
 
 Folders are written to a temporary name and renamed, so a crash never leaves half a checkpoint.
 """
@@ -36,11 +42,14 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 from engine.paths import cache_root
+from engine.quantized_gemm import GGML_TYPES
 
-CONVERTER_VERSION = 1  # bump when the conversion changes: it is part of the cache key
+CONVERTER_VERSION = 2  # bump when the conversion changes: it is part of the cache key (2: gguf_blocks/)
+BLOCKS_FILE = Path("gguf_blocks") / "blocks.safetensors"  # in a subfolder: not a shard of the checkpoint
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 _HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 _LAYER_TENSORS = {  # GGUF per-block tensor -> HF per-layer tensor
@@ -117,6 +126,10 @@ def convert_gguf(source: Path, out_dir: Path) -> None:
     config["tie_word_embeddings"] = "lm_head.weight" not in tensors
     out_dir.mkdir(parents=True)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    blocks, types = hf_blocks(reader, config, source)
+    if blocks:
+        (out_dir / BLOCKS_FILE).parent.mkdir()
+        save_file(blocks, str(out_dir / BLOCKS_FILE), metadata={"ggml_types": json.dumps(types, sort_keys=True)})
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(k) is not None}
     (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2, sort_keys=True))
@@ -214,6 +227,36 @@ def hf_tensors(reader: Any, config: dict[str, Any], source: Path) -> dict[str, t
     if "model.embed_tokens.weight" not in tensors:
         raise ValueError(f"{source.name}: no token_embd.weight tensor (corrupt file?)")
     return tensors
+
+
+def hf_blocks(reader: Any, config: dict[str, Any], source: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The raw blocks of every Q4_1 / Q8_0 matrix, ``[rows, bytes per row]`` uint8 under its HF name
+    (Q/K rows un-permuted for Llama, as in :func:`hf_tensors`), and each one's type name."""
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    blocks, types = {}, {}
+    for tensor in reader.tensors:
+        if tensor.tensor_type.name not in GGML_TYPES or len(tensor.shape) != 2:
+            continue
+        name = hf_tensor_name(tensor.name, source)
+        rows = np.array(tensor.data, dtype=np.uint8).reshape(int(tensor.shape[1]), -1)
+        if config["model_type"] == "llama" and name.endswith("q_proj.weight"):
+            rows = unpermute_rotary_rows(rows, heads)
+        elif config["model_type"] == "llama" and name.endswith("k_proj.weight"):
+            rows = unpermute_rotary_rows(rows, kv_heads)
+        blocks[name] = torch.from_numpy(np.ascontiguousarray(rows))
+        types[name] = tensor.tensor_type.name
+    return blocks, types
+
+
+def load_gguf_blocks(folder: str | Path) -> dict[str, tuple[str, torch.Tensor]]:
+    """HF name -> (type name, raw blocks) of a folder :func:`materialize_gguf` wrote; ``{}`` for
+    any other checkpoint (or a GGUF file with no Q4_1 / Q8_0 matrix)."""
+    path = Path(folder) / BLOCKS_FILE
+    if not path.is_file():
+        return {}
+    with safe_open(str(path), framework="pt", device="cpu") as f:
+        types = json.loads(f.metadata()["ggml_types"])
+        return {name: (types[name], f.get_tensor(name)) for name in f.keys()}
 
 
 def hf_tensor_name(gguf_name: str, source: Path) -> str:

@@ -19,6 +19,7 @@ import itertools
 import time
 import warnings
 from collections.abc import Mapping
+from pathlib import Path
 from collections.abc import Sequence as SequenceOf
 from typing import Any
 
@@ -31,11 +32,12 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.device import resolve_device, resolve_dtype
 from engine.fused_ops import FusedOps
 from engine.native_layers import NativeLayers
-from engine.loader import checkpoint_for_spec, load_model
+from engine.loader import checkpoint_for_spec, load_model, load_quantized_blocks
 from engine.model import ONEDNN_BUCKETS_PER_OCTAVE, onednn_linear_supported
 from engine.model_config import ModelConfig
 from engine.native import NativeKernelUnavailable
 from engine.outputs import RequestOutput, StepRecord
+from engine.quantized_gemm import QuantizedGemm
 from engine.runner import ModelRunner
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
@@ -86,6 +88,14 @@ class LLM:
             when its C kernel builds (another 1.1-1.7x there); each copy costs the linear weights'
             size in memory. ``True``
             requires oneDNN, ``False`` keeps plain ``F.linear``.
+        quantized_weights: performance option. ``"auto"`` (default): for a checkpoint converted
+            from a GGUF file (``model=smollm2-135m-instruct``, a ``.gguf`` path), every weight stored
+            there as Q4_1 or Q8_0 also keeps its blocks, and inputs of at most
+            ``QuantizedGemm.max_rows`` rows (decode steps) are multiplied with them by servelab's
+            quantized GEMM (:mod:`engine.quantized_gemm`; 4-6x fewer bytes per step than float32,
+            the same weight values) when running float32 on a CPU and its C kernel builds.
+            ``True`` requires it, ``False`` keeps the float32 weights only (like for like with a
+            float32 peer). Recorded in ``self.quantized_weights`` (``None``: not used).
         fused_ops: performance option. ``"auto"`` (default) runs add + RMSNorm, RoPE and
             SiLU-and-multiply as fused C kernels (:mod:`engine.fused_ops`, compiled on first use)
             when running float32 on a CPU and a C compiler is found (else the eager PyTorch ops,
@@ -122,6 +132,7 @@ class LLM:
         cuda_graphs: bool = False,
         fused_ops: bool | str = "auto",
         keep_freed_memory: bool | str = "auto",
+        quantized_weights: bool | str = "auto",
         scheduler_options: dict[str, Any] | None = None,
         attention_options: dict[str, Any] | None = None,
     ) -> None:
@@ -137,12 +148,12 @@ class LLM:
             attention_options=attention_options or {},
         )
         self.build(cfg, prepack=prepack, cuda_graphs=cuda_graphs, fused_ops=fused_ops,
-                   keep_freed_memory=keep_freed_memory)
+                   keep_freed_memory=keep_freed_memory, quantized_weights=quantized_weights)
 
     @classmethod
     def from_config(
         cls, cfg: DictConfig, prepack: bool | str = "auto", cuda_graphs: bool = False, fused_ops: bool | str = "auto",
-        keep_freed_memory: bool | str = "auto",
+        keep_freed_memory: bool | str = "auto", quantized_weights: bool | str = "auto",
     ) -> "LLM":
         """Build from a composed config with ``model``, ``cache``, ``scheduler``, ``attention``,
         ``device``, ``dtype`` and ``seed`` (what ``run.py`` gets from Hydra).
@@ -151,12 +162,12 @@ class LLM:
         """
         llm = cls.__new__(cls)
         llm.build(cfg, prepack=prepack, cuda_graphs=cuda_graphs, fused_ops=fused_ops,
-                  keep_freed_memory=keep_freed_memory)
+                  keep_freed_memory=keep_freed_memory, quantized_weights=quantized_weights)
         return llm
 
     def build(
         self, cfg: DictConfig, prepack: bool | str = "auto", cuda_graphs: bool = False, fused_ops: bool | str = "auto",
-        keep_freed_memory: bool | str = "auto",
+        keep_freed_memory: bool | str = "auto", quantized_weights: bool | str = "auto",
     ) -> None:
         self.config = cfg
         self.device = resolve_device(cfg.device)
@@ -165,6 +176,7 @@ class LLM:
         self.model, self.model_config = load_model(checkpoint, self.dtype, self.device)
         self.tokenizer = load_tokenizer(checkpoint)  # None: the checkpoint serves token ids only
         self.prepacked = self.apply_prepack(prepack)
+        self.quantized_weights = self.apply_quantized_weights(quantized_weights, checkpoint)
         self.fused = self.apply_fused_ops(fused_ops)
         self.kept_freed_memory = self.apply_keep_freed_memory(keep_freed_memory)
         mc: ModelConfig = self.model_config
@@ -220,6 +232,23 @@ class LLM:
         self.skinny_gemm_tile_rows = skinny_gemm.tile_rows if skinny_gemm is not None else 0
         self.onednn_row_buckets = ONEDNN_BUCKETS_PER_OCTAVE
         return True
+
+    def apply_quantized_weights(self, quantized: bool | str, checkpoint: Path) -> dict[str, Any] | None:
+        """``{"types": {GGUF type: weights using it}, "max_rows": rows}`` where applied, else ``None``."""
+        cpu_float32 = self.device.type == "cpu" and self.dtype == torch.float32
+        blocks = load_quantized_blocks(checkpoint, self.model_config) if cpu_float32 and quantized is not False else {}
+        requirement = (f"float32 on a CPU and a checkpoint converted from a GGUF file with Q4_1 / Q8_0 weights "
+                       f"(got {self.dtype} on {self.device}, checkpoint {checkpoint})")
+        if not _option_enabled("quantized_weights", quantized, bool(blocks), requirement):
+            return None
+        try:
+            gemm = QuantizedGemm()
+        except NativeKernelUnavailable as error:
+            if quantized is True:
+                raise
+            warnings.warn(f"quantized_weights=auto: {error}; decode steps read the float32 weights", stacklevel=2)
+            return None
+        return {"types": self.model.use_quantized_weights(gemm, blocks), "max_rows": gemm.max_rows}
 
     def apply_fused_ops(self, fused_ops: bool | str) -> bool:
         supported = self.device.type == "cpu" and self.dtype == torch.float32

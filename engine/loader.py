@@ -32,7 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from engine.gguf_checkpoint import locate_package_file, materialize_gguf
+from engine.gguf_checkpoint import load_gguf_blocks, locate_package_file, materialize_gguf
 from engine.model import CausalLM
 from engine.model_config import ModelConfig
 from engine.paths import cache_root
@@ -78,6 +78,20 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device | str)
     model.load_state_dict(state, strict=True, assign=True)
     model.rotary.rebuild(device)
     return model.eval().requires_grad_(False), config
+
+
+def load_quantized_blocks(path: str | Path, config: ModelConfig) -> dict[str, tuple[str, torch.Tensor]]:
+    """Our weight name -> (GGUF type, raw blocks) for every weight of a GGUF-converted folder whose
+    HF tensors all kept their blocks in one type (:func:`engine.gguf_checkpoint.load_gguf_blocks`);
+    fused weights (``qkv_proj``, ``gate_up_proj``) concatenate their parts' rows, i.e. whole blocks.
+    ``embed_tokens.weight`` doubles as the tied LM head. ``{}`` for other checkpoints."""
+    blocks = load_gguf_blocks(path)
+    quantized = {}
+    for ours, sources in _weight_plan(config).items():
+        parts = [blocks.get(name) for name in sources]
+        if all(part is not None for part in parts) and len({qtype for qtype, _ in parts}) == 1:
+            quantized[ours] = (parts[0][0], torch.cat([data for _, data in parts]))
+    return quantized
 
 
 def read_model_config(path: str | Path) -> ModelConfig:

@@ -21,6 +21,7 @@ additions in the same order as HF's ``x = x + attn(norm(x))``.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,7 @@ from engine.fused_ops import FusedOps
 from engine.host_memory import huge_page_empty
 from engine.model_config import ModelConfig
 from engine.native_layers import NativeLayers, NativeLinear
+from engine.quantized_gemm import QuantizedGemm, QuantizedWeight
 from engine.skinny_gemm import SkinnyGemm
 from engine.interfaces.attention import AttentionBackend
 
@@ -85,26 +87,38 @@ class Linear(nn.Linear):
     (AMD EPYC, MKL sgemm) oneDNN measured 1.3-2.3x faster than ``F.linear`` for 8-32 rows, and the
     skinny GEMM 1.1-1.7x faster than oneDNN up to 32 rows with AVX2 and up to 128 rows with AVX-512
     (docs/performance.md, sections 2, 8, 9, 10): every decode batch of the schedulers' default
-    ``max_num_seqs`` (32) takes it; prompts of more rows take oneDNN.
+    ``max_num_seqs`` (32) takes it; prompts of more rows take oneDNN. A weight with GGUF blocks
+    (:meth:`CausalLM.use_quantized_weights`) serves inputs of at most ``QuantizedGemm.max_rows``
+    rows from its Q4_1 / Q8_0 blocks first (:mod:`engine.quantized_gemm`).
     """
 
+    quantized: QuantizedWeight | None = None
+    quantized_gemm: QuantizedGemm | None = None
     packed: torch.Tensor | None = None
     min_rows: int = 1
     skinny: torch.Tensor | None = None
     skinny_gemm: SkinnyGemm | None = None
     skinny_max_rows: int = 0
 
-    def native_kernel(self) -> NativeLinear | None:
-        """This linear as a C function (its skinny GEMM and panels), for callers that run whole layers
-        in C (:mod:`engine.native_layers`); ``None`` when it has none. A linear with another C kernel
-        (a quantized GEMV) plugs into those callers by returning its own here."""
+    def native_kernels(self) -> list[NativeLinear]:
+        """This linear as C functions, for callers that run whole layers in C
+        (:mod:`engine.native_layers`), fewest rows first, as :meth:`forward` chooses them: its GGUF
+        blocks' quantized GEMM (when it has them), then its skinny GEMM panels. Empty when it has no
+        skinny GEMM (the C callers then keep the Python layers)."""
         if self.skinny is None:
-            return None
+            return []
         bias = None if self.bias is None else self.bias.data_ptr()
-        return NativeLinear(self.skinny_gemm.address, self.skinny.data_ptr(), bias, self.skinny_max_rows)
+        kernels = []
+        if self.quantized is not None:
+            kernels.append(NativeLinear(self.quantized_gemm.addresses[self.quantized.qtype], self.quantized.packed.data_ptr(),
+                                        bias, self.quantized_gemm.max_rows))
+        kernels.append(NativeLinear(self.skinny_gemm.address, self.skinny.data_ptr(), bias, self.skinny_max_rows))
+        return kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2:
+            if self.quantized is not None and x.shape[0] <= self.quantized_gemm.max_rows:
+                return self.quantized_gemm.linear(x, self.quantized, self.bias)
             if self.skinny is not None and x.shape[0] <= self.skinny_max_rows:
                 return self.skinny_gemm.linear(x, self.skinny, self.bias, self.out_features)
             if self.packed is not None and x.shape[0] >= self.min_rows:
@@ -324,6 +338,8 @@ class CausalLM(nn.Module):
         self.logits_min_rows = 1
         self.logits_skinny: torch.Tensor | None = None
         self.logits_skinny_gemm: SkinnyGemm | None = None
+        self.logits_quantized: QuantizedWeight | None = None
+        self.logits_quantized_gemm: QuantizedGemm | None = None
         self.fused_ops: FusedOps | None = None
         self.native_layers: NativeLayers | None = None
 
@@ -363,6 +379,31 @@ class CausalLM(nn.Module):
             for module, packed in zip(linears, panels):
                 module.skinny_gemm, module.skinny, module.skinny_max_rows = skinny_gemm, packed, skinny_gemm.max_rows
             self.logits_skinny_gemm, self.logits_skinny = skinny_gemm, panels[-1]
+
+    def use_quantized_weights(
+        self, gemm: QuantizedGemm, blocks: Mapping[str, tuple[str, torch.Tensor]]
+    ) -> dict[str, int]:
+        """Give every projection and the LM head whose weight is in ``blocks`` (our parameter name ->
+        (GGUF type, raw blocks), :func:`engine.loader.load_quantized_blocks`) a copy packed for
+        ``gemm``, used for inputs of at most ``gemm.max_rows`` rows. Returns the count per type."""
+        def pack(name: str, out_features: int, in_features: int) -> QuantizedWeight:
+            qtype, data = blocks[name]
+            weight = gemm.pack(data, qtype, in_features)
+            if weight.out_features != out_features:
+                raise ValueError(f"{name}: {qtype} blocks hold {weight.out_features} rows, the model {out_features}")
+            counts[qtype] = counts.get(qtype, 0) + 1
+            return weight
+
+        counts: dict[str, int] = {}
+        for name, module in self.named_modules():
+            if isinstance(module, Linear) and module is not self.lm_head and f"{name}.weight" in blocks:
+                module.quantized_gemm = gemm
+                module.quantized = pack(f"{name}.weight", module.out_features, module.in_features)
+        head = "embed_tokens.weight" if self.lm_head is None else "lm_head.weight"
+        if head in blocks:
+            self.logits_quantized_gemm = gemm
+            self.logits_quantized = pack(head, self.config.vocab_size, self.config.hidden_size)
+        return counts
 
     def forward(
         self,
@@ -405,6 +446,8 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits ``[N, vocab_size]`` for selected rows of :meth:`forward`'s output."""
+        if self.logits_quantized is not None and hidden.shape[0] <= self.logits_quantized_gemm.max_rows:
+            return self.logits_quantized_gemm.linear(hidden, self.logits_quantized, None)
         if self.logits_skinny is not None and hidden.shape[0] <= self.logits_skinny_gemm.max_rows:
             return self.logits_skinny_gemm.linear(hidden, self.logits_skinny, None, self.config.vocab_size)
         if self.logits_packed is not None and hidden.shape[0] >= self.logits_min_rows:

@@ -12,8 +12,10 @@ scratch buffers per step for all layers, so the arithmetic is the Python path's 
 The C side calls every kernel through a function pointer looked up here in that kernel's own
 library, with all metadata explicit:
 
-* **linears** through :meth:`engine.model.Linear.native_kernel`, the one method a linear with its
-  own C kernel (the skinny GEMM today; a quantized GEMV later) provides: function, weight, bias;
+* **linears** through :meth:`engine.model.Linear.native_kernels`, the one method a linear with its
+  own C kernels provides (function, weight, bias, most rows): the skinny GEMM, and before it the
+  quantized GEMM over a GGUF checkpoint's blocks for fewer rows. Like ``Linear.forward``, a step
+  of ``T`` rows gives each linear its first kernel that serves ``T`` rows;
 * **attention** through the backend's optional ``native_attention(metadata)`` (see
   :class:`NativeAttention`); backends without it (gather backends, the cascade backend, which
   decides per step in Python) keep the Python layer path.
@@ -102,24 +104,31 @@ class NativeLayers:
     def available(cls, model: torch.nn.Module) -> bool:
         """Whether every linear of every layer has a C kernel (a model with some linears only in
         Python, e.g. a weight format without one, keeps the Python layers)."""
-        return all(linear.native_kernel() is not None for layer in model.layers for linear in cls.layer_linears(layer))
+        return all(linear.native_kernels() for layer in model.layers for linear in cls.layer_linears(layer))
 
     def __init__(self, model: torch.nn.Module, fused_ops: FusedOps) -> None:
         config = model.config
         self.config = config
         self._run_layer = native.function("decoder_layer", "decoder_layer_f32", [_P, _P, _P, _P, _P, _P, ctypes.c_int], ctypes.c_int)
         self._kernels = fused_ops.addresses()
-        self._weights = []
-        self.max_rows = 1 << 62
-        for layer in model.layers:
-            kernels = [linear.native_kernel() for linear in self.layer_linears(layer)]
-            if any(kernel is None for kernel in kernels):
-                raise ValueError("a linear has no C kernel (prepack with the skinny GEMM first)")
-            self.max_rows = min([self.max_rows] + [kernel.max_rows for kernel in kernels])
-            self._weights.append(_LayerWeights(
-                *(_linear(kernel) for kernel in kernels),
-                layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
-            ))
+        kernels = [[linear.native_kernels() for linear in self.layer_linears(layer)] for layer in model.layers]
+        if not all(per_linear for per_layer in kernels for per_linear in per_layer):
+            raise ValueError("a linear has no C kernel (prepack with the skinny GEMM first)")
+        self.max_rows = min(per_linear[-1].max_rows for per_layer in kernels for per_linear in per_layer)
+        # One set of layer weights per row limit at which some linear switches kernels (e.g. the
+        # quantized GEMM up to 14 rows, the skinny GEMM above): a step uses the first set that serves it.
+        limits = sorted({kernel.max_rows for per_layer in kernels for per_linear in per_layer for kernel in per_linear
+                         if kernel.max_rows <= self.max_rows})
+        self._weights_by_limit = [
+            (limit, [
+                _LayerWeights(
+                    *(_linear(next(kernel for kernel in per_linear if kernel.max_rows >= limit)) for per_linear in per_layer),
+                    layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
+                )
+                for layer, per_layer in zip(model.layers, kernels)
+            ])
+            for limit in limits
+        ]
         self._eps = model.norm.eps
         self._cos_sin = model.rotary.cos_sin
 
@@ -154,7 +163,8 @@ class NativeLayers:
             *(buffer.data_ptr() for buffer in buffers),
         )
         step_pointer, hidden_pointer, residual_pointer = ctypes.byref(step), hidden.data_ptr(), residual.data_ptr()
-        for index, (weights, (k_cache, v_cache)) in enumerate(zip(self._weights, kv_caches)):
+        layer_weights = next(weights for limit, weights in self._weights_by_limit if num_tokens <= limit)
+        for index, (weights, (k_cache, v_cache)) in enumerate(zip(layer_weights, kv_caches)):
             if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
                 raise ValueError("native layers: the KV caches must be contiguous tensors")
             status = self._run_layer(ctypes.byref(weights), step_pointer, k_cache.data_ptr(), v_cache.data_ptr(),

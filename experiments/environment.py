@@ -52,8 +52,18 @@ def library_versions() -> dict[str, str | None]:
     return versions
 
 
+APPLIED_LOG_PREFIX = "engine applied: "  # serve.py logs its engine's applied_options as this prefix + JSON
+
+
 def applied_options(engine: Any) -> dict[str, Any]:
-    """What the engine object reports it applied (``None`` where an engine does not say)."""
+    """What the engine object reports it applied (``None`` where an engine does not say). An
+    engine that started a servelab server reports the server's engine (``server_applied_options``)."""
+    server = getattr(engine, "server_applied_options", None) or {}
+    own = _own_options(engine)
+    return {**own, **{k: v for k, v in server.items() if k not in ("engine_class", "server_command")}}
+
+
+def _own_options(engine: Any) -> dict[str, Any]:
     runner = getattr(engine, "runner", None)
     return {
         "device": str(engine.device) if getattr(engine, "device", None) is not None else None,
@@ -69,6 +79,7 @@ def applied_options(engine: Any) -> dict[str, Any]:
         "fused_ops": getattr(engine, "fused", None),
         # decode-sized steps run each decoder layer as one C call (engine/native_layers.py)
         "native_layers": getattr(getattr(engine, "model", None), "native_layers", None) is not None,
+        "quantized_weights": getattr(engine, "quantized_weights", None),  # GGUF blocks used for few-row matmuls
         "kept_freed_memory": getattr(engine, "kept_freed_memory", None),
         "cuda_graphs": getattr(runner, "graphs", None) is not None if runner is not None else None,
         "server_command": getattr(engine, "server_command", None),  # a server the run started (HTTP engines)

@@ -32,6 +32,7 @@ from engine.loader import checkpoint_for_spec
 from engine.model_config import ModelConfig
 from engine.tokenizer import decode, load_tokenizer, require_tokenizer
 from experiments.driver import DriveResult
+from experiments.environment import APPLIED_LOG_PREFIX
 from experiments.http_client import HTTPTarget, drive_result, run_load, warm_up
 from experiments.metrics import SLO
 from experiments.server_process import ServerProcess, free_loopback_port, server_config, start_serve_py
@@ -157,6 +158,15 @@ class StartedServerEngine(OpenAIEngine):
 
 class ServelabHTTPEngine(StartedServerEngine):
     """servelab's own server, started for this run with the run's config (see the module docstring)."""
+
+    @cached_property
+    def server_applied_options(self) -> dict[str, Any] | None:
+        """The options the server's engine applied (attention backend, quantized weights, ...), as
+        serve.py logged them at startup; ``summary.json``'s environment records them."""
+        for line in self.process.log_path.read_text(errors="replace").splitlines():
+            if APPLIED_LOG_PREFIX in line:
+                return json.loads(line.split(APPLIED_LOG_PREFIX, 1)[1])
+        return None
 
     @classmethod
     def from_config(cls, cfg: DictConfig, endpoint: str = "completions", timeout_s: float = 600.0,

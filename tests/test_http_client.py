@@ -53,6 +53,10 @@ def test_servelab_over_http_matches_in_process_and_writes_vllm_keys(tmp_path: Pa
     assert set(VLLM_RESULT_KEYS) <= set(bench)
     assert bench["completed"] == metrics["num_requests"] and bench["failed"] == 0
     assert bench["total_output_tokens"] == metrics["total_output_tokens"]
+    environment = remote.summary["environment"]  # what the server's engine applied, as serve.py logged it
+    assert environment["engine_class"] == "ServelabHTTPEngine" and environment["server_command"]
+    assert environment["prepacked"] is False and environment["fused_ops"] is False
+    assert environment["attention_backend"] == llm.attention.name and environment["quantized_weights"] is None
 
 
 def test_failed_requests_are_counted_with_reasons_and_left_out() -> None:

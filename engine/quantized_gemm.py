@@ -1,0 +1,82 @@
+"""servelab's GEMM over GGUF-quantized weights (``engine/csrc/quant_gemm.c``): decode steps that
+read 4-bit (Q4_1) or 8-bit (Q8_0) weights instead of float32 ones.
+
+At a few rows a decode step streams every weight once, so its time is the bytes of the weights:
+SmolLM2-135M's projections and LM head are 538 MB in float32 but 96 MB as the Q4_1 / Q8_0
+blocks of its GGUF file. This kernel keeps the file's blocks (repacked once, byte for byte, into
+panels of one vector of output rows), dequantizes each block in registers and multiplies it
+with float32 activations. The weights it computes with are bitwise those of the float32
+checkpoint (``d * q`` is exact in float32, see the C file), so only the summation order differs
+from the float32 path, as between the skinny GEMM and oneDNN.
+:class:`~engine.model.Linear` uses it up to :attr:`QuantizedGemm.max_rows` rows (the measured
+crossover with the float32 skinny GEMM) and the float32 weights above. CPU only; compiled on
+first use like the other C kernels (``engine/native.py``); AVX-512, or AVX2 with F16C and FMA.
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from engine import native
+
+_P, _I64 = ctypes.c_void_p, ctypes.c_int64
+GGML_TYPES = {"Q4_1": 3, "Q8_0": 8}  # the types the kernel reads, with their ggml_type ids
+BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}  # bytes per block of 32 weights
+BLOCK_WEIGHTS = 32
+
+
+@dataclass
+class QuantizedWeight:
+    """One weight matrix ``[out_features, in_features]`` in the kernel's packed layout."""
+
+    qtype: str
+    packed: torch.Tensor  # uint8
+    out_features: int
+    in_features: int
+
+
+class QuantizedGemm:
+    """``pack`` a weight's GGUF blocks once, then ``linear(x, weight, bias)`` = ``x @ W.T + b``;
+    ``max_rows``: the most rows for which this build beats the float32 skinny GEMM."""
+
+    def __init__(self) -> None:
+        self.max_rows: int = native.function("quant_gemm", "quant_gemm_max_rows", [], _I64)()
+        self._bytes = native.function("quant_gemm", "quant_packed_bytes", [_I64, _I64, _I64], _I64)
+        self._pack = native.function("quant_gemm", "quant_pack", [_P, _I64, _I64, _I64, _P])
+        self._gemm = native.function("quant_gemm", "quant_gemm", [_P, _I64, _I64, _I64, _P, _I64, _P, _I64, _P])
+        # per type, the GEMM with the skinny GEMM's signature, for C callers (engine.native_layers)
+        self.addresses: dict[str, int] = {
+            qtype: ctypes.cast(native.function("quant_gemm", f"quant_gemm_{qtype.lower()}", [_P, _I64, _I64, _I64, _P, _P, _I64, _P]),
+                               ctypes.c_void_p).value
+            for qtype in GGML_TYPES
+        }
+
+    def pack(self, blocks: torch.Tensor, qtype: str, in_features: int) -> QuantizedWeight:
+        """``blocks``: the GGUF tensor's bytes, ``[out_features, in_features / 32 * block bytes]`` uint8."""
+        if qtype not in GGML_TYPES:
+            raise ValueError(f"the quantized GEMM reads {sorted(GGML_TYPES)}, not {qtype}")
+        out_features = blocks.shape[0]
+        if in_features % BLOCK_WEIGHTS or blocks.dtype != torch.uint8 or blocks.shape[1:] != (
+                in_features // BLOCK_WEIGHTS * BLOCK_BYTES[qtype],):
+            raise ValueError(f"{qtype} blocks of shape {tuple(blocks.shape)} ({blocks.dtype}) do not hold "
+                             f"a [{out_features}, {in_features}] weight")
+        blocks = blocks.contiguous()
+        packed = torch.empty(self._bytes(GGML_TYPES[qtype], out_features, in_features), dtype=torch.uint8)
+        self._pack(blocks.data_ptr(), GGML_TYPES[qtype], out_features, in_features, packed.data_ptr())
+        return QuantizedWeight(qtype, packed, out_features, in_features)
+
+    def linear(self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x [M, in] @ W.T (+ bias)`` -> ``[M, out_features]`` in float32."""
+        native.require_cpu_float32(x, "the quantized GEMM", "the input")
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        rows, in_features = x.shape
+        if in_features != weight.in_features:
+            raise ValueError(f"input has {in_features} features, the weight {weight.in_features}")
+        out = torch.empty(rows, weight.out_features)
+        bias_pointer = None if bias is None else bias.contiguous().data_ptr()
+        self._gemm(x.data_ptr(), rows, in_features, x.stride(0), weight.packed.data_ptr(), GGML_TYPES[weight.qtype],
+                   bias_pointer, weight.out_features, out.data_ptr())
+        return out
