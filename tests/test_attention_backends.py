@@ -9,10 +9,8 @@ sets ``TRITON_INTERPRET=1`` for the session on machines without CUDA (only trito
 from __future__ import annotations
 
 import importlib.util
-import ctypes
 import math
 import os
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +21,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine import native
+from native_builds import without_avx512
 from engine.attention_metadata import AttentionMetadata
 from engine.interfaces.attention import AttentionBackend
 from strategies.attention.cpu_paged import CpuPagedBackend
@@ -184,14 +182,8 @@ def cpu_paged_builds(tmp_path) -> dict[str, CpuPagedBackend]:
     without AVX-512: 8 lanes and a register tile of 2 query vectors instead of 16 lanes and 4, the
     code the project's AVX2 machines run, which an AVX-512 machine would otherwise never test."""
     builds = {"native": CpuPagedBackend()}
-    library = tmp_path / "paged_attention_no_avx512.so"
-    command = [native._compiler(), *native.CFLAGS, "-mno-avx512f", f"-I{native.SOURCE_DIR}",
-               str(native.SOURCE_DIR / "paged_attention.c"), "-o", str(library), "-lm"]
-    if subprocess.run(command, capture_output=True).returncode == 0:  # not x86: no such flag
-        backend = CpuPagedBackend()
-        function = ctypes.CDLL(str(library)).paged_attention_f32
-        function.argtypes, function.restype = backend._paged_attention.argtypes, backend._paged_attention.restype
-        backend._paged_attention = function
+    backend = CpuPagedBackend()
+    if without_avx512(backend, "paged_attention.c", {"_paged_attention": "paged_attention_f32"}, tmp_path) is not None:
         builds["no_avx512"] = backend
     return builds
 

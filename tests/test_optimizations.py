@@ -15,15 +15,14 @@ No timing asserts: speed is measured by ``experiments/roofline.py`` and recorded
 """
 from __future__ import annotations
 
-import ctypes
 import random
-import subprocess
 
 import pytest
 import torch
 
 import torch.nn.functional as F
 
+from native_builds import without_avx512
 from engine import LLM, SamplingParams, native
 from engine.fused_ops import FusedOps
 from engine.native_layers import NativeLayers
@@ -179,15 +178,9 @@ def skinny_gemm_builds(tmp_path) -> dict[str, SkinnyGemm]:
     built without AVX-512: the AVX2 register tile that the project's AVX2 machines run, which an
     AVX-512 machine would otherwise never test (``engine/csrc/gemm.c`` picks its tile at compile time)."""
     builds = {"native": SkinnyGemm()}
-    library = tmp_path / "gemm_no_avx512.so"
-    command = [native._compiler(), *native.CFLAGS, "-mno-avx512f", f"-I{native.SOURCE_DIR}",
-               str(native.SOURCE_DIR / "gemm.c"), "-o", str(library), "-lm"]
-    if subprocess.run(command, capture_output=True).returncode == 0:  # not x86: no such flag
-        no_avx512, kernels = SkinnyGemm(), ctypes.CDLL(str(library))
-        for attribute, name in (("_numel", "packed_weight_numel"), ("_pack", "pack_weight_f32"), ("_gemm", "gemm_packed_f32")):
-            function = getattr(kernels, name)
-            function.argtypes, function.restype = getattr(no_avx512, attribute).argtypes, getattr(no_avx512, attribute).restype
-            setattr(no_avx512, attribute, function)
+    no_avx512 = SkinnyGemm()
+    functions = {"_numel": "packed_weight_numel", "_pack": "pack_weight_f32", "_gemm": "gemm_packed_f32"}
+    if without_avx512(no_avx512, "gemm.c", functions, tmp_path) is not None:
         builds["no_avx512"] = no_avx512
     return builds
 

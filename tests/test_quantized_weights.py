@@ -11,7 +11,6 @@ the float32 engine's and HF's, logits within float32 noise).
 from __future__ import annotations
 
 import ctypes
-import subprocess
 
 import numpy as np
 import pytest
@@ -19,7 +18,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
-from engine import native
+from native_builds import without_avx512
 from engine.gguf_checkpoint import materialize_gguf
 from engine.model import Linear
 from engine.quantized_gemm import BLOCK_BYTES, QuantizedGemm
@@ -41,15 +40,10 @@ def quantized_gemm_builds(tmp_path) -> dict[str, QuantizedGemm]:
     """The kernel as the engine builds it and, on x86, the same source without AVX-512 (its AVX2
     path: 8-wide vectors, 4-row tiles), which an AVX-512 machine would otherwise never run."""
     builds = {"native": QuantizedGemm()}
-    library = tmp_path / "quant_gemm_no_avx512.so"
-    command = [native._compiler(), *native.CFLAGS, "-mno-avx512f", f"-I{native.SOURCE_DIR}",
-               str(native.SOURCE_DIR / "quant_gemm.c"), "-o", str(library), "-lm"]
-    if subprocess.run(command, capture_output=True).returncode == 0:  # not x86: no such flag
-        avx2, kernels = QuantizedGemm(), ctypes.CDLL(str(library))
-        for attribute, name in (("_bytes", "quant_packed_bytes"), ("_pack", "quant_pack"), ("_gemm", "quant_gemm")):
-            function = getattr(kernels, name)
-            function.argtypes, function.restype = getattr(avx2, attribute).argtypes, getattr(avx2, attribute).restype
-            setattr(avx2, attribute, function)
+    avx2 = QuantizedGemm()
+    functions = {"_bytes": "quant_packed_bytes", "_pack": "quant_pack", "_gemm": "quant_gemm"}
+    kernels = without_avx512(avx2, "quant_gemm.c", functions, tmp_path)
+    if kernels is not None:
         kernels.quant_gemm_max_rows.restype = ctypes.c_int64
         avx2.max_rows = kernels.quant_gemm_max_rows()
         builds["no_avx512"] = avx2
