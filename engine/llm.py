@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from collections.abc import Sequence as SequenceOf
 from typing import Any
@@ -59,6 +59,18 @@ def _option_enabled(name: str, value: bool | str, supported: bool, requirement: 
     if value is True and not supported:
         raise ValueError(f"{name}=True needs {requirement}")
     return value is not False and supported
+
+
+def _build_kernel(name: str, value: bool | str, build: Callable[[], Any], fallback: str) -> Any | None:
+    """A C kernel for option ``name`` (``build()``), or ``None`` with a warning naming ``fallback``
+    when it cannot be built and the option is ``"auto"``; ``True`` re-raises the build error."""
+    try:
+        return build()
+    except NativeKernelUnavailable as error:
+        if value is True:
+            raise
+        warnings.warn(f"{name}=auto: {error}; {fallback}", stacklevel=3)
+        return None
 
 
 class LLM:
@@ -241,12 +253,8 @@ class LLM:
                        f"(got {self.dtype} on {self.device}, checkpoint {checkpoint})")
         if not _option_enabled("quantized_weights", quantized, bool(blocks), requirement):
             return None
-        try:
-            gemm = QuantizedGemm()
-        except NativeKernelUnavailable as error:
-            if quantized is True:
-                raise
-            warnings.warn(f"quantized_weights=auto: {error}; decode steps read the float32 weights", stacklevel=2)
+        gemm = _build_kernel("quantized_weights", quantized, QuantizedGemm, "decode steps read the float32 weights")
+        if gemm is None:
             return None
         return {"types": self.model.use_quantized_weights(gemm, blocks), "max_rows": gemm.max_rows}
 
@@ -254,12 +262,8 @@ class LLM:
         supported = self.device.type == "cpu" and self.dtype == torch.float32
         if not _option_enabled("fused_ops", fused_ops, supported, f"float32 on a CPU (got {self.dtype} on {self.device})"):
             return False
-        try:
-            ops = FusedOps()
-        except NativeKernelUnavailable as error:
-            if fused_ops is True:
-                raise
-            warnings.warn(f"fused_ops=auto: {error}; running the eager PyTorch ops instead", stacklevel=2)
+        ops = _build_kernel("fused_ops", fused_ops, FusedOps, "running the eager PyTorch ops instead")
+        if ops is None:
             return False
         self.model.use_fused_ops(ops)
         if NativeLayers.available(self.model):  # every linear has a C kernel: decode-sized steps run layers in C
