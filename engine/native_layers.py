@@ -16,9 +16,10 @@ library, with all metadata explicit:
   own C kernels provides (function, weight, bias, most rows): the skinny GEMM, and before it the
   quantized GEMM over a GGUF checkpoint's blocks for fewer rows. Like ``Linear.forward``, a step
   of ``T`` rows gives each linear its first kernel that serves ``T`` rows;
-* **attention** through the backend's optional ``native_attention(metadata)`` (see
-  :class:`NativeAttention`); backends without it (gather backends, the cascade backend, which
-  decides per step in Python) keep the Python layer path.
+* **attention** through the backend's optional ``native_attention(metadata, model_config)``
+  (see :class:`NativeAttention`): its kernel, the step's index tensors and, for a backend that
+  plans per step (the cascade backend's groups), that plan as an opaque context every layer's
+  call passes through; backends without it (the gather backends) keep the Python layer path.
 
 A step takes this path when it is a single attention call (no per-run ``attention_parts``) and
 has at most :attr:`NativeLayers.max_rows` rows (every linear's C kernel serves that many: 128
@@ -53,14 +54,18 @@ class NativeLinear:
 @dataclass(frozen=True)
 class NativeAttention:
     """An attention backend's kernel for C callers, for one step: ``function`` has the signature
-    of ``paged_attention_f32`` (``engine/csrc/paged_attention.c``: writes the step's K/V, then
-    attends), and the step's index tensors are in the dtypes it reads (int64 slots, int32 rest)."""
+    of ``paged_attention_layer_f32`` (``engine/csrc/paged_attention.c``: writes the step's K/V,
+    then attends), the step's index tensors are in the dtypes it reads (int64 slots, int32 rest),
+    and ``context`` is the address of the backend's per-step plan that every layer's call passes
+    through (0: none; ``keep_alive`` holds what it points to)."""
 
     function: int
     slot_mapping: torch.Tensor
     block_tables: torch.Tensor
     context_lens: torch.Tensor
     query_start_loc: torch.Tensor
+    context: int = 0
+    keep_alive: object = None
 
 
 class _Linear(ctypes.Structure):
@@ -81,6 +86,7 @@ class _LayerStep(ctypes.Structure):
         ("block_table_stride", _I64), ("context_lens", _P), ("query_start_loc", _P),
         ("num_seqs", _I64), ("block_size", _I64),
         ("normed", _P), ("qkv", _P), ("attention_out", _P), ("gate_up", _P), ("activation", _P),
+        ("attention_context", _P),
     ]
 
 
@@ -144,7 +150,7 @@ class NativeLayers:
         stream before it)``, as the Python layers return them; the step's K/V are written into
         ``kv_caches`` on the way."""
         c = self.config
-        kernel: NativeAttention = attention.native_attention(metadata)
+        kernel: NativeAttention = attention.native_attention(metadata, c)
         num_tokens = hidden.shape[0]
         qkv_size = (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
         # The step's scratch, shared by all layers: normed, qkv, attention out, gate_up, activation.
@@ -160,7 +166,7 @@ class NativeLayers:
             positions.data_ptr(), self._cos_sin.data_ptr(), kernel.slot_mapping.data_ptr(),
             kernel.block_tables.data_ptr(), kernel.block_tables.stride(0), kernel.context_lens.data_ptr(),
             kernel.query_start_loc.data_ptr(), metadata.num_seqs, metadata.block_size,
-            *(buffer.data_ptr() for buffer in buffers),
+            *(buffer.data_ptr() for buffer in buffers), kernel.context,
         )
         step_pointer, hidden_pointer, residual_pointer = ctypes.byref(step), hidden.data_ptr(), residual.data_ptr()
         layer_weights = next(weights for limit, weights in self._weights_by_limit if num_tokens <= limit)

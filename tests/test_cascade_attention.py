@@ -190,3 +190,33 @@ def test_engine_block_reused_for_another_prefix_gives_hf_tokens(long_context_ckp
     assert len({b for blocks in first_blocks_per_round for b in blocks}) < 4  # a block id came back
     assert llm.attention.stats.cascade_calls > 0
     llm.free_blocks_check()
+
+
+def test_engine_cascade_in_c_layers_gives_the_python_layers_logits_bit_for_bit(long_context_ckpt):
+    """Decode steps with a shared prompt run the cascade kernel from whole decoder layers in C
+    (``native_attention`` passes the step's plan through every layer's call): every step's logits
+    equal the Python layers' exactly, and the C path really ran the cascade kernel (its calls
+    counted one per layer)."""
+    from test_optimizations import logits_of_every_step
+
+    rng = random.Random(4)
+    shared = [rng.randrange(3, 256) for _ in range(200)]
+    prompts = [shared + [rng.randrange(3, 256) for _ in range(rng.randint(3, 9))] for _ in range(4)]
+    runs = {}
+    for name in ("c_layers", "python_layers"):
+        llm = LLM(model=str(long_context_ckpt), cache="prefix", attention="cpu_paged_cascade", device="cpu",
+                  block_size=16, capacity_tokens=4096)
+        c_steps = []
+        if name == "python_layers":
+            llm.model.use_native_layers(None)
+        else:
+            layers = llm.model.native_layers
+            forward = layers.forward
+            layers.forward = lambda hidden, *args: c_steps.append(hidden.shape[0]) or forward(hidden, *args)
+        llm.generate(prompts[:1], SamplingParams(max_tokens=1, ignore_eos=True))  # publishes the shared blocks
+        llm.attention.stats = type(llm.attention.stats)()
+        runs[name] = (logits_of_every_step(llm, prompts, max_tokens=5), llm.attention.stats)
+        assert (c_steps.count(len(prompts)) == 4) == (name == "c_layers")  # the 4 decode steps ran in C
+    (got, c_stats), (expected, python_stats) = runs["c_layers"], runs["python_layers"]
+    assert len(got) == len(expected) and all(torch.equal(a, b) for a, b in zip(got, expected))
+    assert c_stats == python_stats and c_stats.cascade_calls > 0

@@ -293,7 +293,8 @@ def test_native_layers_give_the_python_layers_logits_bit_for_bit(ckpt_name, requ
 def test_native_layers_need_every_linear_in_c_and_a_backend_that_offers_its_kernel(tiny_llama_ckpt):
     llm = build(tiny_llama_ckpt, attention="cpu_paged_cascade")
     layers = llm.model.native_layers
-    assert layers is not None and not layers.can_run(1, llm.attention)  # the cascade backend decides per step
+    assert layers is not None and layers.can_run(1, llm.attention)  # the cascade backend passes its plan to C
+    assert not layers.can_run(1, build(tiny_llama_ckpt, attention="eager").attention)  # a gather backend: Python layers
     assert layers.can_run(layers.max_rows, build(tiny_llama_ckpt, attention="cpu_paged").attention)
     assert not layers.can_run(layers.max_rows + 1, build(tiny_llama_ckpt, attention="cpu_paged").attention)
     assert build(tiny_llama_ckpt, attention="torch_sdpa").model.native_layers.can_run(1, TorchSDPABackend()) is False

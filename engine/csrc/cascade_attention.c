@@ -344,3 +344,36 @@ int cascade_decode_f32(
     free(item_starts);
     return 0;
 }
+
+/* One step's groups and scratch, for whole decoder layers in C (strategies/attention/
+ * cpu_paged_cascade.py: native_attention builds it once per step; every layer reads it). */
+struct cascade_plan {
+    const int32_t *kv_starts;
+    int64_t num_groups;
+    const int64_t *row_starts;
+    const int32_t *rows;
+    const int64_t *block_starts;
+    const int32_t *blocks;
+    float *lse;
+    float *workspace;
+    int64_t workspace_floats;
+};
+
+/* cascade_decode_f32 with the attention signature of decoder_layer.c: `context` is the step's
+ * struct cascade_plan; query_start_loc and num_seqs are implied by a decode step (token b =
+ * sequence b). */
+int cascade_decode_layer_f32(
+    const float *query, int64_t query_token_stride, const float *new_keys, const float *new_values,
+    int64_t new_token_stride, const int64_t *slot_mapping, int64_t num_tokens, float *k_cache, float *v_cache,
+    const int32_t *block_tables, int64_t block_table_stride, const int32_t *context_lens,
+    const int32_t *query_start_loc, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+    int64_t block_size, float scale, float *out, int64_t out_token_stride, const void *context) {
+    const struct cascade_plan *plan = context;
+    (void)query_start_loc;
+    (void)num_seqs;
+    return cascade_decode_f32(query, query_token_stride, new_keys, new_values, new_token_stride, slot_mapping,
+                              num_tokens, k_cache, v_cache, block_tables, block_table_stride, context_lens,
+                              plan->kv_starts, plan->num_groups, plan->row_starts, plan->rows, plan->block_starts,
+                              plan->blocks, num_heads, num_kv_heads, head_dim, block_size, scale, out,
+                              out_token_stride, plan->lse, plan->workspace, plan->workspace_floats);
+}

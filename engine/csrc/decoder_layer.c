@@ -24,13 +24,15 @@ typedef void (*add_rms_norm_fn)(const float *x, float *residual, const float *we
 typedef void (*rope_fn)(float *x, int64_t token_stride, int64_t num_tokens, int64_t num_heads, int64_t head_dim,
                         const int64_t *positions, const float *cos_sin);
 typedef void (*silu_and_mul_fn)(const float *gate_up, int64_t num_tokens, int64_t size, float *out);
-/* paged_attention.c: paged_attention_f32 */
+/* paged_attention.c: paged_attention_layer_f32 (cascade_attention.c: cascade_decode_layer_f32): the
+ * step's K/V written, then attention; `context` is the backend's per-step plan (or NULL) */
 typedef int (*attention_fn)(const float *query, int64_t query_token_stride, const float *new_keys,
                             const float *new_values, int64_t new_token_stride, const int64_t *slot_mapping,
                             int64_t num_tokens, float *k_cache, float *v_cache, const int32_t *block_tables,
                             int64_t block_table_stride, const int32_t *context_lens, const int32_t *query_start_loc,
                             int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                            int64_t block_size, float scale, float *out, int64_t out_token_stride);
+                            int64_t block_size, float scale, float *out, int64_t out_token_stride,
+                            const void *context);
 
 struct linear {
     linear_fn run;
@@ -61,6 +63,7 @@ struct layer_step {
     const int32_t *context_lens, *query_start_loc;
     int64_t num_seqs, block_size;
     float *normed, *qkv, *attention_out, *gate_up, *activation; /* [num_tokens, ...] scratch */
+    const void *attention_context; /* the attention backend's per-step plan, passed through (or NULL) */
 };
 
 /* The layer on the residual stream, as DecoderLayer.forward carries it, with this layer's KV caches
@@ -80,7 +83,8 @@ int decoder_layer_f32(const struct layer_weights *w, const struct layer_step *s,
     const int status = s->attention(
         s->qkv, qkv_size, s->qkv + q_size, s->qkv + q_size + s->num_kv_heads * d, qkv_size, s->slot_mapping, t,
         k_cache, v_cache, s->block_tables, s->block_table_stride, s->context_lens, s->query_start_loc,
-        s->num_seqs, s->num_heads, s->num_kv_heads, d, s->block_size, s->scale, s->attention_out, q_size);
+        s->num_seqs, s->num_heads, s->num_kv_heads, d, s->block_size, s->scale, s->attention_out, q_size,
+        s->attention_context);
     if (status != 0) return status;
     w->o.run(s->attention_out, t, q_size, q_size, w->o.weight, w->o.bias, h, hidden);
     s->add_rms_norm(hidden, residual, w->post_attention_norm, s->eps, t, h, 1, s->normed);

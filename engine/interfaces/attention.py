@@ -30,9 +30,10 @@ class AttentionBackend(Protocol):
     ``"padded"`` (dense attention over each call's sequences padded to its longest query and
     context, the mask hiding pairs without skipping them).
 
-    Optional: a backend whose work is one C kernel may offer ``native_attention(metadata)`` ->
-    :class:`engine.native_layers.NativeAttention`, so that decoder layers can run in one C call
-    each (``cpu_paged`` does); without it every step takes the Python layer path.
+    Optional: a backend whose work is one C kernel may offer ``native_attention(metadata,
+    model_config)`` -> :class:`engine.native_layers.NativeAttention`, so that decoder layers can
+    run in one C call each (``cpu_paged`` and ``cpu_paged_cascade`` do); without it every step
+    takes the Python layer path.
     """
 
     name: str

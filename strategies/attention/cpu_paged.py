@@ -29,6 +29,7 @@ import torch
 
 from engine import native
 from engine.attention_metadata import AttentionMetadata
+from engine.model_config import ModelConfig
 from engine.native_layers import NativeAttention
 
 _MAX_HEAD_DIM = 256  # csrc/paged_attention.c: MAX_HEAD_DIM
@@ -44,6 +45,13 @@ def _kernel():
         i64, i64, i64, i64, i64,  # num_seqs, num_heads, num_kv_heads, head_dim, block_size
         ctypes.c_float, pointer, i64,  # scale, out, out token stride
     ], ctypes.c_int)
+
+
+def _layer_kernel_address() -> int:
+    """``paged_attention_layer_f32``: the same kernel with the attention signature of
+    ``engine/csrc/decoder_layer.c`` (a trailing per-step context it ignores), for whole layers in C."""
+    return ctypes.cast(native.function("paged_attention", "paged_attention_layer_f32", [], ctypes.c_int),
+                       ctypes.c_void_p).value
 
 
 def _token_rows(tensor: torch.Tensor) -> torch.Tensor:
@@ -103,11 +111,11 @@ class CpuPagedBackend:
             raise RuntimeError(f"{self.name} kernel failed with status {status}")
         return out
 
-    def native_attention(self, metadata: AttentionMetadata) -> NativeAttention:
+    def native_attention(self, metadata: AttentionMetadata, model_config: ModelConfig) -> NativeAttention:
         """The kernel and this step's index tensors for callers that run whole layers in C
         (:mod:`engine.native_layers`): the same call as :meth:`forward` makes."""
         ints = metadata.cached("cpu_paged.ints", lambda: _kernel_ints(metadata))
-        return NativeAttention(ctypes.cast(self._paged_attention, ctypes.c_void_p).value, *ints)
+        return NativeAttention(_layer_kernel_address(), *ints)
 
     def checked_inputs(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor

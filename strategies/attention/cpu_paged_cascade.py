@@ -43,6 +43,8 @@ import torch
 
 from engine import native
 from engine.attention_metadata import AttentionMetadata
+from engine.model_config import ModelConfig
+from engine.native_layers import NativeAttention
 from strategies.attention.cpu_paged import CpuPagedBackend, _kernel_ints
 
 
@@ -59,6 +61,22 @@ def _kernel():
         ctypes.c_float, _POINTER, _I64, _POINTER,  # scale, out, its token stride, lse scratch
         _POINTER, _I64,  # workspace, its size in floats
     ], ctypes.c_int)
+
+
+class _PlanStruct(ctypes.Structure):
+    """``struct cascade_plan`` of ``engine/csrc/cascade_attention.c``: one step's groups and scratch
+    for ``cascade_decode_layer_f32`` (whole decoder layers in C)."""
+
+    _fields_ = [("kv_starts", _POINTER), ("num_groups", _I64), ("row_starts", _POINTER), ("rows", _POINTER),
+                ("block_starts", _POINTER), ("blocks", _POINTER), ("lse", _POINTER), ("workspace", _POINTER),
+                ("workspace_floats", _I64)]
+
+
+def _layer_kernel_address() -> int:
+    """``cascade_decode_layer_f32``: the cascade kernel with the attention signature of
+    ``engine/csrc/decoder_layer.c``, its plan passed as the per-step context."""
+    return ctypes.cast(native.function("cascade_attention", "cascade_decode_layer_f32", [], ctypes.c_int),
+                       ctypes.c_void_p).value
 
 
 def _workspace_size():
@@ -146,9 +164,6 @@ class CpuPagedCascadeBackend(CpuPagedBackend):
     """
 
     name = "cpu_paged_cascade"
-    # It picks its kernel per step in Python (plan_groups), so whole layers in C (engine.native_layers,
-    # which would call cpu_paged's kernel) are not offered: every step takes the Python layer path.
-    native_attention = None
 
     def __init__(self, min_group_size: int = 2, min_shared_tokens: int = 64) -> None:
         if min_group_size < 2:
@@ -173,25 +188,14 @@ class CpuPagedCascadeBackend(CpuPagedBackend):
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        if not metadata.is_decode_only or metadata.num_seqs < self.min_group_size:
-            return super().forward(query, key, value, k_cache, v_cache, metadata, scale)
-        plan = metadata.cached(
-            ("cpu_paged_cascade.plan", self.min_group_size, self.min_shared_tokens),
-            lambda: plan_groups(metadata, self.min_group_size, self.min_shared_tokens),
-        )
-        if not plan.groups:
+        plan = self.step_plan(metadata)
+        if plan is None:
             return super().forward(query, key, value, k_cache, v_cache, metadata, scale)
         query, key, value = self.checked_inputs(query, key, value, k_cache, v_cache)
         num_tokens, num_heads, head_dim = query.shape
         num_kv_heads = k_cache.shape[2]
         slot_mapping, block_tables, context_lens, _ = metadata.cached("cpu_paged.ints", lambda: _kernel_ints(metadata))
-        needed = metadata.cached(
-            ("cpu_paged_cascade.workspace", self.min_group_size, self.min_shared_tokens, num_kv_heads, head_dim),
-            lambda: self._workspace_size(len(plan.groups), plan.block_starts.data_ptr(), num_kv_heads, head_dim,
-                                         metadata.block_size),
-        )
-        if self._workspace.numel() < needed:
-            self._workspace = torch.empty(needed)
+        self.reserve_workspace(metadata, plan, num_kv_heads, head_dim)
         out = torch.empty(num_tokens, num_heads, head_dim, dtype=query.dtype)
         lse = torch.empty(num_tokens, num_heads, dtype=torch.float32)
         status = self._cascade(
@@ -205,7 +209,53 @@ class CpuPagedCascadeBackend(CpuPagedBackend):
         )
         if status != 0:
             raise RuntimeError(f"{self.name} kernel failed with status {status}")
-        self.stats.cascade_calls += 1
-        self.stats.groups += len(plan.groups)
-        self.stats.shared_rows_saved += sum((g.num_rows - 1) * g.num_tokens for g in plan.groups)
+        self.count(plan, calls=1)
         return out
+
+    def step_plan(self, metadata: AttentionMetadata) -> CascadePlan | None:
+        """This step's groups (computed once per step for all layers), or ``None`` where the step
+        takes ``cpu_paged``'s path: not decode-only, too few sequences, or no shared prefix."""
+        if not metadata.is_decode_only or metadata.num_seqs < self.min_group_size:
+            return None
+        plan = metadata.cached(
+            ("cpu_paged_cascade.plan", self.min_group_size, self.min_shared_tokens),
+            lambda: plan_groups(metadata, self.min_group_size, self.min_shared_tokens),
+        )
+        return plan if plan.groups else None
+
+    def reserve_workspace(self, metadata: AttentionMetadata, plan: CascadePlan, num_kv_heads: int, head_dim: int) -> None:
+        """Grow the packed-prefix workspace to what ``plan``'s groups need (kept across steps)."""
+        needed = metadata.cached(
+            ("cpu_paged_cascade.workspace", self.min_group_size, self.min_shared_tokens, num_kv_heads, head_dim),
+            lambda: self._workspace_size(len(plan.groups), plan.block_starts.data_ptr(), num_kv_heads, head_dim,
+                                         metadata.block_size),
+        )
+        if self._workspace.numel() < needed:
+            self._workspace = torch.empty(needed)
+
+    def count(self, plan: CascadePlan, calls: int) -> None:
+        """Record ``calls`` kernel calls (one per layer) over ``plan``'s groups in :attr:`stats`."""
+        self.stats.cascade_calls += calls
+        self.stats.groups += calls * len(plan.groups)
+        self.stats.shared_rows_saved += calls * sum((g.num_rows - 1) * g.num_tokens for g in plan.groups)
+
+    def native_attention(self, metadata: AttentionMetadata, model_config: ModelConfig) -> NativeAttention:
+        """For whole decoder layers in C (:mod:`engine.native_layers`): ``cpu_paged``'s kernel where
+        the step takes its path, else the cascade kernel with this step's plan as the context that
+        every layer's call passes through (the same call :meth:`forward` makes, layer by layer)."""
+        plan = self.step_plan(metadata)
+        if plan is None:
+            return super().native_attention(metadata, model_config)
+        num_kv_heads, head_dim = model_config.num_key_value_heads, model_config.head_dim
+        self.reserve_workspace(metadata, plan, num_kv_heads, head_dim)
+        slot_mapping, block_tables, context_lens, query_start_loc = metadata.cached(
+            "cpu_paged.ints", lambda: _kernel_ints(metadata))
+        lse = torch.empty(metadata.num_seqs, model_config.num_attention_heads, dtype=torch.float32)  # decode: a token per sequence
+        context = _PlanStruct(
+            plan.kv_starts.data_ptr(), len(plan.groups), plan.row_starts.data_ptr(), plan.rows.data_ptr(),
+            plan.block_starts.data_ptr(), plan.blocks.data_ptr(), lse.data_ptr(), self._workspace.data_ptr(),
+            self._workspace.numel(),
+        )
+        self.count(plan, calls=model_config.num_hidden_layers)
+        return NativeAttention(_layer_kernel_address(), slot_mapping, block_tables, context_lens, query_start_loc,
+                               ctypes.addressof(context), (context, lse, plan, self._workspace))
