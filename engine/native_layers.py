@@ -54,7 +54,7 @@ class NativeLinear:
 @dataclass(frozen=True)
 class NativeAttention:
     """An attention backend's kernel for C callers, for one step: ``function`` has the signature
-    of ``paged_attention_layer_f32`` (``engine/csrc/paged_attention.c``: writes the step's K/V,
+    of ``paged_attention_f32`` (``engine/csrc/paged_attention.c``: writes the step's K/V,
     then attends), the step's index tensors are in the dtypes it reads (int64 slots, int32 rest),
     and ``context`` is the address of the backend's per-step plan that every layer's call passes
     through (0: none; ``keep_alive`` holds what it points to)."""

@@ -24,7 +24,7 @@ typedef void (*add_rms_norm_fn)(const float *x, float *residual, const float *we
 typedef void (*rope_fn)(float *x, int64_t token_stride, int64_t num_tokens, int64_t num_heads, int64_t head_dim,
                         const int64_t *positions, const float *cos_sin);
 typedef void (*silu_and_mul_fn)(const float *gate_up, int64_t num_tokens, int64_t size, float *out);
-/* paged_attention.c: paged_attention_layer_f32 (cascade_attention.c: cascade_decode_layer_f32): the
+/* paged_attention.c: paged_attention_f32 (cascade_attention.c: cascade_decode_layer_f32): the
  * step's K/V written, then attention; `context` is the backend's per-step plan (or NULL) */
 typedef int (*attention_fn)(const float *query, int64_t query_token_stride, const float *new_keys,
                             const float *new_values, int64_t new_token_stride, const int64_t *slot_mapping,

@@ -238,7 +238,8 @@ int paged_attention_f32(
     float *v_cache, const int32_t *block_tables, int64_t block_table_stride,
     const int32_t *context_lens, const int32_t *query_start_loc, int64_t num_seqs,
     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
-    float *out, int64_t out_token_stride) {
+    float *out, int64_t out_token_stride, const void *context) {
+    (void)context; /* decoder_layer.c's attention signature: a per-step plan this kernel does not need */
     if (head_dim > MAX_HEAD_DIM || num_heads > MAX_VECTORS || num_heads % num_kv_heads != 0) return 1;
     const int64_t slot_floats = num_kv_heads * head_dim;
 #pragma omp parallel for if (num_tokens >= 256)
@@ -275,20 +276,4 @@ int paged_attention_f32(
     }
     free(item_starts);
     return 0;
-}
-
-/* paged_attention_f32 with the attention signature of decoder_layer.c (whole layers in C), whose
- * trailing per-step `context` this kernel does not need. */
-int paged_attention_layer_f32(
-    const float *query, int64_t query_token_stride, const float *new_keys, const float *new_values,
-    int64_t new_token_stride, const int64_t *slot_mapping, int64_t num_tokens, float *k_cache,
-    float *v_cache, const int32_t *block_tables, int64_t block_table_stride,
-    const int32_t *context_lens, const int32_t *query_start_loc, int64_t num_seqs,
-    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
-    float *out, int64_t out_token_stride, const void *context) {
-    (void)context;
-    return paged_attention_f32(query, query_token_stride, new_keys, new_values, new_token_stride, slot_mapping,
-                               num_tokens, k_cache, v_cache, block_tables, block_table_stride, context_lens,
-                               query_start_loc, num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, out,
-                               out_token_stride);
 }

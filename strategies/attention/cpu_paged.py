@@ -43,15 +43,8 @@ def _kernel():
         pointer, i64, pointer, pointer,  # slot_mapping, num_tokens, k_cache, v_cache
         pointer, i64, pointer, pointer,  # block_tables, its row stride, context_lens, query_start_loc
         i64, i64, i64, i64, i64,  # num_seqs, num_heads, num_kv_heads, head_dim, block_size
-        ctypes.c_float, pointer, i64,  # scale, out, out token stride
+        ctypes.c_float, pointer, i64, pointer,  # scale, out, out token stride, per-step context (unused: NULL)
     ], ctypes.c_int)
-
-
-def _layer_kernel_address() -> int:
-    """``paged_attention_layer_f32``: the same kernel with the attention signature of
-    ``engine/csrc/decoder_layer.c`` (a trailing per-step context it ignores), for whole layers in C."""
-    return ctypes.cast(native.function("paged_attention", "paged_attention_layer_f32", [], ctypes.c_int),
-                       ctypes.c_void_p).value
 
 
 def _token_rows(tensor: torch.Tensor) -> torch.Tensor:
@@ -105,7 +98,7 @@ class CpuPagedBackend:
             slot_mapping.data_ptr(), num_tokens, k_cache.data_ptr(), v_cache.data_ptr(),
             block_tables.data_ptr(), block_tables.stride(0), context_lens.data_ptr(), query_start_loc.data_ptr(),
             metadata.num_seqs, num_heads, num_kv_heads, head_dim, metadata.block_size,
-            scale, out.data_ptr(), out.stride(0),
+            scale, out.data_ptr(), out.stride(0), None,
         )
         if status != 0:
             raise RuntimeError(f"{self.name} kernel failed with status {status}")
@@ -115,7 +108,7 @@ class CpuPagedBackend:
         """The kernel and this step's index tensors for callers that run whole layers in C
         (:mod:`engine.native_layers`): the same call as :meth:`forward` makes."""
         ints = metadata.cached("cpu_paged.ints", lambda: _kernel_ints(metadata))
-        return NativeAttention(_layer_kernel_address(), *ints)
+        return NativeAttention(ctypes.cast(self._paged_attention, ctypes.c_void_p).value, *ints)
 
     def checked_inputs(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
