@@ -172,6 +172,7 @@ class CpuPagedCascadeBackend(CpuPagedBackend):
             raise ValueError(f"min_shared_tokens must be >= 1, got {min_shared_tokens}")
         super().__init__()
         self._cascade = _kernel()  # builds it now: a missing compiler fails at startup
+        self._cascade_layer = _layer_kernel_address()  # looked up once, not in every step
         self._workspace_size = _workspace_size()
         self._workspace = torch.empty(0)  # the kernel's packed prefixes; grows to the largest step seen
         self.min_group_size = min_group_size
@@ -257,5 +258,5 @@ class CpuPagedCascadeBackend(CpuPagedBackend):
             self._workspace.numel(),
         )
         self.count(plan, calls=model_config.num_hidden_layers)
-        return NativeAttention(_layer_kernel_address(), slot_mapping, block_tables, context_lens, query_start_loc,
+        return NativeAttention(self._cascade_layer, slot_mapping, block_tables, context_lens, query_start_loc,
                                ctypes.addressof(context), (context, lse, plan, self._workspace))
