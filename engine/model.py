@@ -77,19 +77,20 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")[:rows]
 
 
-class Linear(nn.Linear):
-    """``nn.Linear`` that can also run through prepacked copies of its weight (CPU float32).
+class WeightCopies:
+    """The copies of one weight ``[out, in]`` that servelab's kernels read, and the choice among
+    them by the number of input rows (CPU float32; all ``None`` until :meth:`CausalLM.prepack` /
+    :meth:`CausalLM.use_quantized_weights` fill them in).
 
-    Same parameters and state-dict names as ``nn.Linear``. After :meth:`CausalLM.prepack`:
-    inputs of at most ``skinny_max_rows`` rows (the kernel's ``SkinnyGemm.max_rows``) go through
+    Inputs of at most ``skinny_max_rows`` rows (the kernel's ``SkinnyGemm.max_rows``) go through
     servelab's skinny GEMM (:mod:`engine.skinny_gemm`, when its C kernel could be built), other inputs of at least
     ``min_rows`` rows (default 1) through the oneDNN-prepacked weight: on this project's CPUs
     (AMD EPYC, MKL sgemm) oneDNN measured 1.3-2.3x faster than ``F.linear`` for 8-32 rows, and the
     skinny GEMM 1.1-1.7x faster than oneDNN up to 32 rows with AVX2 and up to 128 rows with AVX-512
     (docs/performance.md, sections 2, 8, 9, 10): every decode batch of the schedulers' default
     ``max_num_seqs`` (32) takes it; prompts of more rows take oneDNN. A weight with GGUF blocks
-    (:meth:`CausalLM.use_quantized_weights`) serves inputs of at most ``QuantizedGemm.max_rows``
-    rows from its Q4_1 / Q8_0 blocks first (:mod:`engine.quantized_gemm`).
+    serves inputs of at most ``QuantizedGemm.max_rows`` rows from its Q4_1 / Q8_0 blocks first
+    (:mod:`engine.quantized_gemm`). Every projection (:class:`Linear`) and the LM head has one.
     """
 
     quantized: QuantizedWeight | None = None
@@ -99,6 +100,23 @@ class Linear(nn.Linear):
     skinny: torch.Tensor | None = None
     skinny_gemm: SkinnyGemm | None = None
     skinny_max_rows: int = 0
+
+    def matmul(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x @ weight.T (+ bias)`` through the first copy that serves ``x``'s rows (``weight`` itself last)."""
+        if x.dim() == 2:
+            rows = x.shape[0]
+            if self.quantized is not None and rows <= self.quantized_gemm.max_rows:
+                return self.quantized_gemm.linear(x, self.quantized, bias)
+            if self.skinny is not None and rows <= self.skinny_max_rows:
+                return self.skinny_gemm.linear(x, self.skinny, bias, weight.shape[0])
+            if self.packed is not None and rows >= self.min_rows:
+                return packed_linear(x, self.packed, bias)
+        return F.linear(x, weight, bias)
+
+
+class Linear(nn.Linear, WeightCopies):
+    """``nn.Linear`` that runs through the kernels' copies of its weight (:class:`WeightCopies`).
+    Same parameters and state-dict names as ``nn.Linear``."""
 
     def native_kernels(self) -> list[NativeLinear]:
         """This linear as C functions, for callers that run whole layers in C
@@ -116,14 +134,7 @@ class Linear(nn.Linear):
         return kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2:
-            if self.quantized is not None and x.shape[0] <= self.quantized_gemm.max_rows:
-                return self.quantized_gemm.linear(x, self.quantized, self.bias)
-            if self.skinny is not None and x.shape[0] <= self.skinny_max_rows:
-                return self.skinny_gemm.linear(x, self.skinny, self.bias, self.out_features)
-            if self.packed is not None and x.shape[0] >= self.min_rows:
-                return packed_linear(x, self.packed, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -334,14 +345,19 @@ class CausalLM(nn.Module):
         self.lm_head = (
             None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
         )
-        self.logits_packed: torch.Tensor | None = None
-        self.logits_min_rows = 1
-        self.logits_skinny: torch.Tensor | None = None
-        self.logits_skinny_gemm: SkinnyGemm | None = None
-        self.logits_quantized: QuantizedWeight | None = None
-        self.logits_quantized_gemm: QuantizedGemm | None = None
+        self._tied_head = WeightCopies()  # the kernels' copies of the embedding as LM head (tied models)
         self.fused_ops: FusedOps | None = None
         self.native_layers: NativeLayers | None = None
+
+    @property
+    def logits_weight(self) -> torch.Tensor:
+        """The LM head's weight ``[vocab_size, hidden_size]`` (the embedding when tied)."""
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    @property
+    def logits_head(self) -> WeightCopies:
+        """The kernels' copies of :attr:`logits_weight` (the untied ``lm_head`` keeps its own)."""
+        return self._tied_head if self.lm_head is None else self.lm_head
 
     def use_native_layers(self, native_layers: NativeLayers | None) -> None:
         """Run the decoder layers of decode-sized steps as one C call each (:mod:`engine.native_layers`:
@@ -363,22 +379,18 @@ class CausalLM(nn.Module):
         CPU float32 only (see :func:`onednn_linear_supported`). Costs one extra copy of the
         linear weights in memory per packing; the originals stay for ``state_dict``.
         """
-        linears = [module for module in self.modules() if isinstance(module, Linear)]  # in forward order
-        for module in linears:
-            module.packed = prepack_weight(module.weight, batch_hint)
-            module.min_rows = min_rows
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        self.logits_packed = prepack_weight(weight, batch_hint)
-        self.logits_min_rows = min_rows
+        # every projection, then the LM head: the order a step reads them (forward order)
+        copies = [(module, module.weight) for module in self.modules() if isinstance(module, Linear) and module is not self.lm_head]
+        copies.append((self.logits_head, self.logits_weight))
+        for holder, weight in copies:
+            holder.packed = prepack_weight(weight, batch_hint)
+            holder.min_rows = min_rows
         if skinny_gemm is not None:
-            # All panels in one huge-page buffer, in the order a step reads them (each layer's four
-            # projections, then the LM head): one stream of weights per decode step.
-            weights = [module.weight for module in linears] + [weight]
-            sizes = [skinny_gemm.packed_numel(*w.shape) for w in weights]
-            panels = [skinny_gemm.pack(w, out) for w, out in zip(weights, huge_page_empty(sum(sizes)).split(sizes))]
-            for module, packed in zip(linears, panels):
-                module.skinny_gemm, module.skinny, module.skinny_max_rows = skinny_gemm, packed, skinny_gemm.max_rows
-            self.logits_skinny_gemm, self.logits_skinny = skinny_gemm, panels[-1]
+            # All panels in one huge-page buffer, in that order: one stream of weights per decode step.
+            sizes = [skinny_gemm.packed_numel(*weight.shape) for _, weight in copies]
+            for (holder, weight), out in zip(copies, huge_page_empty(sum(sizes)).split(sizes)):
+                holder.skinny_gemm, holder.skinny = skinny_gemm, skinny_gemm.pack(weight, out)
+                holder.skinny_max_rows = skinny_gemm.max_rows
 
     def use_quantized_weights(
         self, gemm: QuantizedGemm, blocks: Mapping[str, tuple[str, torch.Tensor]]
@@ -401,8 +413,8 @@ class CausalLM(nn.Module):
                 module.quantized = pack(f"{name}.weight", module.out_features, module.in_features)
         head = "embed_tokens.weight" if self.lm_head is None else "lm_head.weight"
         if head in blocks:
-            self.logits_quantized_gemm = gemm
-            self.logits_quantized = pack(head, self.config.vocab_size, self.config.hidden_size)
+            self.logits_head.quantized_gemm = gemm
+            self.logits_head.quantized = pack(head, self.config.vocab_size, self.config.hidden_size)
         return counts
 
     def forward(
@@ -446,11 +458,4 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits ``[N, vocab_size]`` for selected rows of :meth:`forward`'s output."""
-        if self.logits_quantized is not None and hidden.shape[0] <= self.logits_quantized_gemm.max_rows:
-            return self.logits_quantized_gemm.linear(hidden, self.logits_quantized, None)
-        if self.logits_skinny is not None and hidden.shape[0] <= self.logits_skinny_gemm.max_rows:
-            return self.logits_skinny_gemm.linear(hidden, self.logits_skinny, None, self.config.vocab_size)
-        if self.logits_packed is not None and hidden.shape[0] >= self.logits_min_rows:
-            return packed_linear(hidden, self.logits_packed, None).float()
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return self.logits_head.matmul(hidden, self.logits_weight, None).float()

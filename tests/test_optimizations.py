@@ -105,7 +105,7 @@ def test_packed_linear_serves_one_and_many_rows_and_min_rows_falls_back(tiny_lla
     docs/performance.md section 8); below ``min_rows`` the plain ``F.linear`` runs, bit-equal."""
     llm = build(tiny_llama_ckpt, prepack=True)
     layer = llm.model.layers[0].mlp.gate_up_proj
-    assert layer.min_rows == 1 and llm.model.logits_min_rows == 1
+    assert layer.min_rows == 1 and llm.model.logits_head.min_rows == 1
     layer.skinny = None  # the oneDNN path alone (the skinny GEMM has its own test below)
     x = torch.randn(5, layer.in_features)
     plain = torch.nn.functional.linear

@@ -134,7 +134,7 @@ def test_engine_projections_read_back_their_float32_parameters(quantized_gguf):
         read = module.quantized_gemm.linear(torch.eye(module.in_features), module.quantized, None)
         assert torch.equal(read, module.weight.T)
     model = llm.model
-    read = model.logits_quantized_gemm.linear(torch.eye(model.config.hidden_size), model.logits_quantized, None)
+    read = model.logits_head.quantized_gemm.linear(torch.eye(model.config.hidden_size), model.logits_head.quantized, None)
     assert torch.equal(read, model.embed_tokens.weight.T)
 
 
@@ -146,7 +146,7 @@ def test_engine_tokens_equal_float32_engine_and_hf_and_logits_close(quantized_gg
     fast, reference = build(path, quantized_weights="auto"), build(path, quantized_weights=False)
     assert fast.quantized_weights is not None and reference.quantized_weights is None
     calls = []
-    gemm = fast.model.logits_quantized_gemm
+    gemm = fast.model.logits_head.quantized_gemm
     gemm_linear = gemm.linear
     gemm.linear = lambda *args: calls.append(args[0].shape[0]) or gemm_linear(*args)
     prompts = ragged_prompts(3, 7, fast.model_config.vocab_size)
