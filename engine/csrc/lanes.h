@@ -1,6 +1,6 @@
-/* LANES-wide float vectors for the attention kernels (cascade_attention.c, paged_attention.c):
+/* LANES-wide float vectors for the C kernels (cascade_attention.c, paged_attention.c, quant_gemm.c):
  * the vector type, its fused multiply-add, and the shuffle-based lane reductions and transpose.
- * Kept in one place so that both kernels use the same (tested) code. */
+ * Kept in one place so that every kernel uses the same (tested) code. */
 #ifndef SERVELAB_LANES_H
 #define SERVELAB_LANES_H
 #include "common.h"

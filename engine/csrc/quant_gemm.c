@@ -10,15 +10,15 @@
  * the weights this kernel multiplies with are BITWISE those of the float32 checkpoint that
  * engine/gguf_checkpoint.py writes; only the order of the sums differs from a float32 GEMM.
  *
- * Layout: the blocks are repacked once into panels of VL output rows (one vector of output
- * columns), block-column-major: for each block of 32 k, the panel stores its VL rows' d (then m)
- * as one float16 vector and their quants transposed, [16][VL] bytes (Q4_1, the nibble pairing of
- * GGUF kept) or [32][VL] (Q8_0). A panel is one contiguous stream of the file's own bytes (no
+ * Layout: the blocks are repacked once into panels of LANES output rows (one vector of output
+ * columns), block-column-major: for each block of 32 k, the panel stores its LANES rows' d (then m)
+ * as one float16 vector and their quants transposed, [16][LANES] bytes (Q4_1, the nibble pairing of
+ * GGUF kept) or [32][LANES] (Q8_0). A panel is one contiguous stream of the file's own bytes (no
  * byte is added: 20 or 34 bytes per 32 weights, 6.4x / 3.8x fewer than float32), and one vector
- * load + widen gives the quants of VL output columns at one k.
+ * load + widen gives the quants of LANES output columns at one k.
  *
  * Per panel and block, the 32 k of the block are dequantized ONCE into 32 vectors (2 KB, L1) and
- * every row of x uses them: register tiles of 8 rows x VL columns (AVX-512; 4 x 8 with AVX2)
+ * every row of x uses them: register tiles of 8 rows x LANES columns (AVX-512; 4 x 8 with AVX2)
  * accumulate over the block's 32 k; fewer rows split k over independent accumulators so that
  * one row still has 8 (4) FMA chains in flight. Threads split the panels (OpenMP, static), each
  * streaming its own contiguous part of the weights. Rows are taken CHUNK at a time (the
@@ -30,33 +30,24 @@
  */
 #include <stdlib.h>
 
-#include "common.h"
+#include "lanes.h"
 
+/* The vector type, its FMA and broadcast come from lanes.h (LANES = 16 with AVX-512, 8 with AVX2);
+ * here only what reading GGUF blocks adds: float16 scales, widened quants, the tile sizes. */
 #if defined(__AVX512F__)
-#include <immintrin.h>
-typedef float vecf __attribute__((vector_size(64)));
-typedef int32_t veci __attribute__((vector_size(64)));
-#define VL 16
 #define CHAINS 8 /* independent accumulators per tile: 2 FMA pipes x 4 cycles of latency */
 #define MR 8     /* rows per register tile */
-static inline vecf broadcast(float v) { return (vecf)_mm512_set1_ps(v); }
-static inline vecf vfma(vecf a, vecf b, vecf c) { return _mm512_fmadd_ps(a, b, c); }
-static inline vecf load_halves(const uint8_t *p) { return (vecf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
-static inline veci widen_u8(const uint8_t *p) { return (veci)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
-static inline veci widen_i8(const uint8_t *p) { return (veci)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)); }
-static inline vecf to_float(veci q) { return (vecf)_mm512_cvtepi32_ps((__m512i)q); }
+static inline vf load_halves(const uint8_t *p) { return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+static inline vi widen_u8(const uint8_t *p) { return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+static inline vi widen_i8(const uint8_t *p) { return (vi)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+static inline vf to_float(vi q) { return (vf)_mm512_cvtepi32_ps((__m512i)q); }
 #elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
-typedef f32x8 vecf;
-typedef i32x8 veci;
-#define VL 8
 #define CHAINS 4
 #define MR 4
-static inline vecf broadcast(float v) { return (vecf)_mm256_set1_ps(v); }
-static inline vecf vfma(vecf a, vecf b, vecf c) { return fma8(a, b, c); }
-static inline vecf load_halves(const uint8_t *p) { return (vecf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
-static inline veci widen_u8(const uint8_t *p) { return (veci)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
-static inline veci widen_i8(const uint8_t *p) { return (veci)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
-static inline vecf to_float(veci q) { return (vecf)_mm256_cvtepi32_ps((__m256i)q); }
+static inline vf load_halves(const uint8_t *p) { return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+static inline vi widen_u8(const uint8_t *p) { return (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+static inline vi widen_i8(const uint8_t *p) { return (vi)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+static inline vf to_float(vi q) { return (vf)_mm256_cvtepi32_ps((__m256i)q); }
 #else
 #error "quant_gemm.c needs AVX-512, or AVX2 with F16C and FMA"
 #endif
@@ -69,71 +60,71 @@ static inline vecf to_float(veci q) { return (vecf)_mm256_cvtepi32_ps((__m256i)q
 
 /* Most rows for which this kernel measured faster than the float32 skinny GEMM (gemm.c) on the
  * 30 layers' shapes of SmolLM2-135M with weights streamed from memory (docs/quantized_weights.md). */
-int64_t quant_gemm_max_rows(void) { return VL == 16 ? 14 : 4; }
+int64_t quant_gemm_max_rows(void) { return LANES == 16 ? 14 : 4; }
 
 static int64_t block_bytes(int64_t type) { return type == GGML_Q4_1 ? Q4_1_BYTES : type == GGML_Q8_0 ? Q8_0_BYTES : 0; }
 
 /* Bytes of the packed weight (0: unsupported type or K not a multiple of 32). */
 int64_t quant_packed_bytes(int64_t type, int64_t n, int64_t k) {
     if (block_bytes(type) == 0 || k % QK != 0) return 0;
-    return (n + VL - 1) / VL * (k / QK) * VL * block_bytes(type);
+    return (n + LANES - 1) / LANES * (k / QK) * LANES * block_bytes(type);
 }
 
 /* raw: the GGUF tensor, n rows of k / 32 blocks; packed: quant_packed_bytes(type, n, k) bytes.
  * Rows past n (the last panel's padding) are zero: d = m = 0, so their weights are 0. */
 void quant_pack(const uint8_t *raw, int64_t type, int64_t n, int64_t k, uint8_t *packed) {
-    const int64_t bytes = block_bytes(type), blocks = k / QK, panels = (n + VL - 1) / VL;
+    const int64_t bytes = block_bytes(type), blocks = k / QK, panels = (n + LANES - 1) / LANES;
     const int64_t scales = type == GGML_Q4_1 ? 2 : 1; /* float16 values before the quants */
 #pragma omp parallel for
     for (int64_t p = 0; p < panels; ++p)
         for (int64_t b = 0; b < blocks; ++b) {
-            uint8_t *dst = packed + (p * blocks + b) * VL * bytes;
-            for (int64_t c = 0; c < VL; ++c) {
-                const int64_t row = p * VL + c;
+            uint8_t *dst = packed + (p * blocks + b) * LANES * bytes;
+            for (int64_t c = 0; c < LANES; ++c) {
+                const int64_t row = p * LANES + c;
                 const uint8_t *block = raw + (row * blocks + b) * bytes;
                 for (int64_t s = 0; s < scales; ++s)
                     for (int64_t byte = 0; byte < 2; ++byte)
-                        dst[s * 2 * VL + 2 * c + byte] = row < n ? block[2 * s + byte] : 0;
+                        dst[s * 2 * LANES + 2 * c + byte] = row < n ? block[2 * s + byte] : 0;
                 for (int64_t j = 0; j < bytes - 2 * scales; ++j)
-                    dst[2 * scales * VL + j * VL + c] = row < n ? block[2 * scales + j] : 0;
+                    dst[2 * scales * LANES + j * LANES + c] = row < n ? block[2 * scales + j] : 0;
             }
         }
 }
 
-/* acc[r] (r < ROWS) = x[r, :] @ W[panel's VL rows, :]^T for one panel of blocks of type TYPE.
+/* acc[r] (r < ROWS) = x[r, :] @ W[panel's LANES rows, :]^T for one panel of blocks of type TYPE.
  * xt holds the tile's ROWS rows interleaved, xt[k * ROWS + r] (one pointer and constant offsets:
  * eight row pointers would not fit in the general registers). SPLIT accumulators per row
  * (consecutive k go round-robin to them, summed at the end) keep CHAINS FMAs in flight. Each
  * block's weights are dequantized in registers once, one vector per k, and used by every row. */
 #define DEFINE_TILE(NAME, TYPE, BYTES, ROWS, SPLIT)                                                   \
-    static __attribute__((noinline)) void NAME(const float *xt, const uint8_t *panel, int64_t blocks, vecf *acc) { \
-        vecf c[ROWS][SPLIT];                                                                          \
+    static __attribute__((noinline)) void NAME(const float *xt, const uint8_t *panel, int64_t blocks, vf *acc) { \
+        vf c[ROWS][SPLIT];                                                                          \
         _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r)                                        \
-            _Pragma("GCC unroll 8") for (int s = 0; s < SPLIT; ++s) c[r][s] = (vecf){0};              \
+            _Pragma("GCC unroll 8") for (int s = 0; s < SPLIT; ++s) c[r][s] = (vf){0};              \
         for (int64_t b = 0; b < blocks; ++b, xt += QK * ROWS) {                                       \
-            const uint8_t *src = panel + b * VL * BYTES;                                              \
-            const vecf d = load_halves(src);                                                          \
+            const uint8_t *src = panel + b * LANES * BYTES;                                              \
+            const vf d = load_halves(src);                                                          \
             if (TYPE == GGML_Q4_1) { /* k = j and j + 16 share a byte */                              \
-                const vecf m = load_halves(src + 2 * VL);                                             \
+                const vf m = load_halves(src + 2 * LANES);                                             \
                 _Pragma("GCC unroll 16") for (int j = 0; j < QK / 2; ++j) {                           \
-                    const veci q = widen_u8(src + 4 * VL + j * VL);                                   \
-                    const vecf lo = vfma(d, to_float(q & 15), m), hi = vfma(d, to_float(q >> 4), m);  \
+                    const vi q = widen_u8(src + 4 * LANES + j * LANES);                                   \
+                    const vf lo = vfma(d, to_float(q & 15), m), hi = vfma(d, to_float(q >> 4), m);  \
                     const int s = (j % (SPLIT / 2)) * 2;                                              \
                     _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r) {                          \
-                        c[r][s] = vfma(broadcast(xt[j * ROWS + r]), lo, c[r][s]);                     \
-                        c[r][s + 1] = vfma(broadcast(xt[(j + QK / 2) * ROWS + r]), hi, c[r][s + 1]);  \
+                        c[r][s] = vfma(vbroadcast(xt[j * ROWS + r]), lo, c[r][s]);                     \
+                        c[r][s + 1] = vfma(vbroadcast(xt[(j + QK / 2) * ROWS + r]), hi, c[r][s + 1]);  \
                     }                                                                                 \
                 }                                                                                     \
             } else {                                                                                  \
                 _Pragma("GCC unroll 32") for (int j = 0; j < QK; ++j) {                               \
-                    const vecf w = d * to_float(widen_i8(src + 2 * VL + j * VL));                     \
+                    const vf w = d * to_float(widen_i8(src + 2 * LANES + j * LANES));                     \
                     _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r)                            \
-                        c[r][j % SPLIT] = vfma(broadcast(xt[j * ROWS + r]), w, c[r][j % SPLIT]);      \
+                        c[r][j % SPLIT] = vfma(vbroadcast(xt[j * ROWS + r]), w, c[r][j % SPLIT]);      \
                 }                                                                                     \
             }                                                                                         \
         }                                                                                             \
         _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r) {                                      \
-            vecf sum = c[r][0];                                                                       \
+            vf sum = c[r][0];                                                                       \
             _Pragma("GCC unroll 8") for (int s = 1; s < SPLIT; ++s) sum += c[r][s];                   \
             acc[r] = sum;                                                                             \
         }                                                                                             \
@@ -159,7 +150,7 @@ static inline int64_t tile_rows(int64_t row, int64_t m) {
 }
 
 /* The tiles by type (0: Q4_1, 1: Q8_0) and rows. */
-typedef void tile_fn(const float *xt, const uint8_t *panel, int64_t blocks, vecf *acc);
+typedef void tile_fn(const float *xt, const uint8_t *panel, int64_t blocks, vf *acc);
 #if MR == 8
 #define TILE8(PREFIX) , [8] = PREFIX##_tile8
 #else
@@ -172,7 +163,7 @@ static tile_fn *const TILES[2][MR + 1] = {
 
 void quant_gemm(const float *x, int64_t m, int64_t k, int64_t x_stride, const uint8_t *packed, int64_t type,
                 const float *bias, int64_t n, float *out) {
-    const int64_t panels = (n + VL - 1) / VL, blocks = k / QK, bytes = VL * block_bytes(type);
+    const int64_t panels = (n + LANES - 1) / LANES, blocks = k / QK, bytes = LANES * block_bytes(type);
     /* x interleaved per register tile: tile rows [t, t + R) at xt + t * k, as [k][R]. */
     float *xt = malloc(sizeof(float) * m * k);
     if (xt == NULL) abort();
@@ -184,13 +175,13 @@ void quant_gemm(const float *x, int64_t m, int64_t k, int64_t x_stride, const ui
 #pragma omp parallel for schedule(static)
     for (int64_t p = 0; p < panels; ++p) {
         const uint8_t *panel = packed + p * blocks * bytes;
-        const int64_t col = p * VL, cols = n - col < VL ? n - col : VL;
+        const int64_t col = p * LANES, cols = n - col < LANES ? n - col : LANES;
         for (int64_t t = 0, rows; t < m; t += rows) {
             rows = tile_rows(t, m);
-            vecf acc[MR];
+            vf acc[MR];
             TILES[type == GGML_Q4_1 ? 0 : 1][rows](xt + t * k, panel, blocks, acc);
             for (int64_t r = 0; r < rows; ++r) {
-                float values[VL];
+                float values[LANES];
                 memcpy(values, &acc[r], sizeof values);
                 if (bias != NULL)
                     for (int64_t c = 0; c < cols; ++c) values[c] += bias[col + c];
