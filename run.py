@@ -4,7 +4,7 @@
     python run.py cache=paged scheduler=static       # one configuration
     python run.py -m scheduler=static,continuous workload.concurrency=1,8,32
     python run.py +experiment=naive_vs_continuous    # a headline result (conf/experiment/)
-    python -m experiments.report results/sweeps/<dir>
+    python -m experiments.results.report results/sweeps/<dir>
 
 Results land in the Hydra output folder (results/runs/<time>/ or results/sweeps/<time>/<job>/):
 config.yaml (resolved), requests.csv, steps.csv, summary.json, summary.md and PNG plots.
@@ -19,7 +19,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from experiments.job import execute
+from experiments.harness.job import execute
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")

@@ -22,7 +22,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from engine.sampling_params import SamplingParams
-from experiments.environment import APPLIED_LOG_PREFIX, applied_options
+from experiments.harness.environment import APPLIED_LOG_PREFIX, applied_options
 from server.app import build_app
 from server.launch import make_server
 
@@ -74,7 +74,7 @@ def app_from_config(cfg: DictConfig) -> FastAPI:
     """Build the engine the config describes (off the main thread: :func:`in_passing_thread`),
     warm it up, and wrap it in the app."""
     llm = in_passing_thread(lambda: built_engine(cfg))
-    log.info("%s%s", APPLIED_LOG_PREFIX, json.dumps(applied_options(llm)))  # read back by experiments/http_engines.py
+    log.info("%s%s", APPLIED_LOG_PREFIX, json.dumps(applied_options(llm)))  # read back by experiments/http/engines.py
     name = cfg.server.served_model_name or cfg.model.name
     return build_app(llm, served_model_name=name, api_key=cfg.server.api_key, max_waiting=cfg.server.max_waiting)
 

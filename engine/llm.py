@@ -122,7 +122,7 @@ class LLM:
         cuda_graphs: performance option. ``True`` replays decode-only steps as CUDA graphs
             (captured per padded batch size and context bucket, see ``engine/cuda_graphs.py``);
             CUDA only, ignored elsewhere. ``False`` (default until checked on a GPU by
-            ``experiments/gpu_check.sh``) runs every step eagerly.
+            ``scripts/gpu_check.sh``) runs every step eagerly.
     """
 
     def __init__(

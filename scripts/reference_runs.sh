@@ -20,7 +20,7 @@ for name in "${experiments[@]}"; do
   echo "=== $name $(date -u +%T)"
   echo "$name: $(date -u '+%F %T') UTC, $machine, load average $(cut -d' ' -f1-3 /proc/loadavg)" >> "$OUT/MACHINE.txt"
   if [ "$name" = roofline ]; then
-    $PY -m experiments.roofline --out "$OUT/roofline"
+    $PY -m experiments.bench.roofline --out "$OUT/roofline"
   elif [ "$name" = peer_benchmark ]; then
     $PY run.py +experiment="$name" hydra.sweep.dir="$OUT/$name" driver.progress=false
   else

@@ -37,14 +37,14 @@ $PY run.py model=smollm2-135m cache=prefix workload=shared_prefix workload.num_u
   workload.arrival_interval_s=0.03 workload.leader_lead_s=1.0 workload.max_tokens=48 driver.progress=false \
   hydra.run.dir="$SHARED"
 log "fit"
-$PY -m experiments.calibrate "$C16" "$C2" "$SHARED" --name "cpu-1thread-$TAG" \
+$PY -m experiments.calibration.calibrate "$C16" "$C2" "$SHARED" --name "cpu-1thread-$TAG" \
   --note "OMP_NUM_THREADS=1; scripts/simulator_rerun.sh $TAG"
-$PY -m experiments.calibrate "$C16" "$C2" --name "cpu-1thread-2runs-$TAG" \
+$PY -m experiments.calibration.calibrate "$C16" "$C2" --name "cpu-1thread-2runs-$TAG" \
   --note "OMP_NUM_THREADS=1; scripts/simulator_rerun.sh $TAG (the two bursts only)"
 log "validation"
 $PY run.py +experiment=simulator_validation hardware="cpu-1thread-$TAG" hydra.sweep.dir="$OUT/simulator_validation-$TAG"
 log "validation re-simulated on the two-burst calibration"
-$PY -m experiments.validation "$OUT/simulator_validation-$TAG-resim-2runs" --real-from "$OUT/simulator_validation-$TAG" \
+$PY -m experiments.calibration.validation "$OUT/simulator_validation-$TAG-resim-2runs" --real-from "$OUT/simulator_validation-$TAG" \
   --hardware "cpu-1thread-2runs-$TAG" > /dev/null
 log "speed: 10,000 requests"
 /usr/bin/time -f "wall %e s, user %U s, sys %S s" -o "$SPEED/benchmark_time.txt" \

@@ -36,7 +36,7 @@ file: as ``c_kv``).
 Every ``c`` is >= 0: ``c_step`` / ``c_seq`` are overheads in seconds, the others are
 1 / efficiency against the datasheet.
 
-**Fitting** (``experiments.calibrate``): the ``max`` splits the steps into two regimes, so the fit
+**Fitting** (``experiments.calibration.calibrate``): the ``max`` splits the steps into two regimes, so the fit
 searches the crossover: for every candidate row count ``r`` (and "none"), steps of at most ``r``
 rows are weight-bound (their row of the design matrix carries ``t_w`` and no GEMM terms), the
 others compute-bound (GEMM terms, no ``t_w``), and ``t = X c`` is solved for

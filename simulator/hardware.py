@@ -5,7 +5,7 @@
 * a **preset** (``calibrated: false``): datasheet numbers (dense bf16 tensor-core FLOP/s, memory
   bandwidth, memory size) and default coefficients that say how far below the datasheet a real
   serving engine runs. Every summary that uses one is labelled ``projected, uncalibrated``.
-* a **calibration** (``calibrated: true``): written by ``python -m experiments.calibrate`` from
+* a **calibration** (``calibrated: true``): written by ``python -m experiments.calibration.calibrate`` from
   real runs' ``steps.csv``; its coefficients are fitted to this machine and one model.
 
 The coefficients are time multipliers on ideal times (1 / efficiency) and fixed overheads; the
@@ -62,7 +62,7 @@ class Hardware:
             (dense masked attention over each call's padded batch: servelab's gather backends
             ``torch_sdpa`` / ``eager``, what a CPU calibration of them records). See
             :mod:`engine.step_shape`.
-        calibrated: fitted on a real machine (``experiments.calibrate``) rather than a datasheet.
+        calibrated: fitted on a real machine (``experiments.calibration.calibrate``) rather than a datasheet.
         calibrated_model: the model the calibration ran (its weight read hides in the step overhead).
         calibration: how the file was made (command, runs, date, fit quality).
     """

@@ -1,4 +1,4 @@
-"""``python -m experiments.calibrate``: fits real runs' steps.csv into a usable hardware file, or
+"""``python -m experiments.calibration.calibrate``: fits real runs' steps.csv into a usable hardware file, or
 says why not and writes nothing."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 
 from engine.config import CONF_DIR
 from engine.step_shape import StepShape
-from experiments.calibrate import main
+from experiments.calibration.calibrate import main
 from simulator.cost_model import CostModel
 from simulator.hardware import Hardware
 from simulator.model_shapes import model_config_for_costs

@@ -11,7 +11,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from experiments.safe_files import write_file, write_text_file
+from experiments.results.safe_files import write_file, write_text_file
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -70,7 +70,7 @@ def test_run_killed_while_writing_leaves_no_truncated_file_and_the_report_lists_
             elif file.suffix == ".csv":
                 pd.read_csv(file)
     assert (sweep / "0" / "summary.json").is_file() and not (sweep / "1" / "summary.json").exists()
-    report = subprocess.run([sys.executable, "-m", "experiments.report", str(sweep)], cwd=ROOT, env=ENV,
+    report = subprocess.run([sys.executable, "-m", "experiments.results.report", str(sweep)], cwd=ROOT, env=ENV,
                             capture_output=True, text=True, timeout=300)
     assert report.returncode == 0, report.stderr[-3000:]
     table = pd.read_csv(sweep / "report.csv").set_index("job")
@@ -95,7 +95,7 @@ def test_report_lists_runs_with_unreadable_files_and_goes_on(tmp_path):
     (tmp_path / "1" / "summary.json").write_text(json.dumps(good)[:40])  # truncated by an older crash
     (tmp_path / "2" / "summary.json").write_text(json.dumps({**good, "run": {"scheduler": "static"}}))
     (tmp_path / "2" / "requests.csv").write_bytes(b"request_id,ttft_s\n\"req-0,0.5\n\xff\xfe")  # damaged CSV
-    from experiments.report import write_report
+    from experiments.results.report import write_report
 
     csv_path, md_path, *_ = write_report(tmp_path)
     table = pd.read_csv(csv_path).set_index("job")
@@ -106,7 +106,7 @@ def test_report_lists_runs_with_unreadable_files_and_goes_on(tmp_path):
 
 
 def test_roofline_never_overwrites_an_earlier_one(tmp_path):
-    args = [sys.executable, "-m", "experiments.roofline", "--model", "tiny", "--batch-sizes", "1", "--context", "8",
+    args = [sys.executable, "-m", "experiments.bench.roofline", "--model", "tiny", "--batch-sizes", "1", "--context", "8",
             "--steps", "1", "--prepack", "false", "--attention", "torch_sdpa", "--out", str(tmp_path)]
     for _ in range(2):
         proc = subprocess.run(args, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)

@@ -11,9 +11,9 @@ import pytest
 
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from experiments.driver import drive
-from experiments.metrics import e2e, e2e_including_client_queue, ttft
-from experiments.workloads import WorkloadRequest
+from experiments.harness.driver import drive
+from experiments.harness.metrics import e2e, e2e_including_client_queue, ttft
+from experiments.harness.workloads import WorkloadRequest
 
 
 @dataclass

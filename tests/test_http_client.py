@@ -15,12 +15,12 @@ from hydra.utils import instantiate
 
 from engine import LLM, SamplingParams
 from engine.config import CONF_DIR
-from experiments.http_client import HTTPOutcome, HTTPTarget, drive_result, run_load
-from experiments.job import execute
-from experiments.metrics import SLO
-from experiments.server_process import free_loopback_port, server_config, start_serve_py
-from experiments.vllm_bench import VLLM_RESULT_KEYS, vllm_bench_result
-from experiments.workloads import WorkloadRequest, special_token_ids
+from experiments.http.client import HTTPOutcome, HTTPTarget, drive_result, run_load
+from experiments.harness.job import execute
+from experiments.harness.metrics import SLO
+from experiments.http.server_process import free_loopback_port, server_config, start_serve_py
+from experiments.http.vllm_bench import VLLM_RESULT_KEYS, vllm_bench_result
+from experiments.harness.workloads import WorkloadRequest, special_token_ids
 from server_harness import live_server, wrap_forward
 
 

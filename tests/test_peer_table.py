@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from experiments.peer_table import peer_table, target_checks
+from experiments.peers.table import peer_table, target_checks
 
 
 def run(serving: str, concurrency: int, tok_s: float, ttft_p50: float, status: str = "ok", error: str | None = None) -> dict:

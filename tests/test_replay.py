@@ -1,5 +1,5 @@
 """Stored runs reused without the real engine: a checked replay recovers step-shape columns a run
-did not record, and ``experiments.validation --real-from`` re-simulates stored real jobs."""
+did not record, and ``experiments.calibration.validation --real-from`` re-simulates stored real jobs."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,10 +11,10 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from engine.config import CONF_DIR
-from experiments.calibrate import load_run
-from experiments.job import execute
-from experiments.replay import recovered_shapes
-from experiments.validation import resimulate
+from experiments.calibration.calibrate import load_run
+from experiments.harness.job import execute
+from experiments.calibration.replay import recovered_shapes
+from experiments.calibration.validation import resimulate
 
 REAL = ["model=tiny", "device=cpu", "driver.progress=false", "plots=false", "engine=servelab"]
 

@@ -12,10 +12,10 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
-from experiments.driver import drive
-from experiments.metrics import SLO
-from experiments.results import REQUEST_COLUMNS, STEP_COLUMNS, requests_frame
-from experiments.workloads import special_token_ids
+from experiments.harness.driver import drive
+from experiments.harness.metrics import SLO
+from experiments.results.files import REQUEST_COLUMNS, STEP_COLUMNS, requests_frame
+from experiments.harness.workloads import special_token_ids
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_BURST = ["model=tiny", "workload=burst", "workload.concurrency=2", "workload.max_max_tokens=12",
@@ -63,7 +63,7 @@ def test_multirun_report_naive_vs_continuous_and_failed_job(tmp_path: Path) -> N
     proc = run_py(["-m", "+experiment=naive_vs_continuous", "model=tiny", "driver.progress=false",
                    "workload.long_max_tokens=50,600", f"hydra.sweep.dir={sweep}"])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    report = subprocess.run([sys.executable, "-m", "experiments.report", str(sweep)], cwd=ROOT, capture_output=True,
+    report = subprocess.run([sys.executable, "-m", "experiments.results.report", str(sweep)], cwd=ROOT, capture_output=True,
                             text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=300)
     assert report.returncode == 0, report.stderr[-3000:]
     table = pd.read_csv(sweep / "report.csv")
@@ -117,8 +117,8 @@ def test_hf_continuous_matches_too() -> None:
 def test_chat_workload_servelab_and_hf_static_same_answers(tmp_path: Path, byte_text_ckpt: Path) -> None:
     """workload=chat through the chat template on a model with a tokenizer: requests.csv holds
     prompt and output text, summary.md shows sample answers, the HF peer gives the same text."""
-    from experiments.chat_prompts import prompt_bank
-    from experiments.job import execute
+    from experiments.harness.chat_prompts import prompt_bank
+    from experiments.harness.job import execute
 
     overrides = ["model=tiny", f"model.path={byte_text_ckpt}", "model.weights=pretrained", "workload=chat",
                  "workload.num_requests=3", "workload.max_tokens=12", "workload.concurrency=2",

@@ -124,8 +124,8 @@ def test_private_block_stats_equal_the_block_walk(cache):
 
 def test_driver_advances_the_virtual_clock_instead_of_sleeping():
     """Arrivals 1,000 s apart: the driver jumps the clock (a sleeping driver would hang here)."""
-    from experiments.driver import drive
-    from experiments.workloads import WorkloadRequest
+    from experiments.harness.driver import drive
+    from experiments.harness.workloads import WorkloadRequest
 
     engine = SimulatedLLM(model="tiny", hardware="h100")
     requests = [WorkloadRequest(f"r{i}", [5 + i] * 8, SamplingParams(max_tokens=4, ignore_eos=True), 1000.0 * i)
@@ -170,7 +170,7 @@ def test_engine_simulated_needs_hardware_and_labels_its_times(tmp_path):
     from hydra import compose, initialize_config_dir
 
     from engine.config import CONF_DIR
-    from experiments.job import execute
+    from experiments.harness.job import execute
 
     overrides = ["engine=simulated", "model=tiny", "workload=burst", "workload.concurrency=2", "driver.progress=false",
                  "plots=false"]

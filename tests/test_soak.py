@@ -1,10 +1,10 @@
-"""Soak (experiments/soak.py): many requests through one engine, nothing lost, the pool full at the
+"""Soak (experiments/bench/soak.py): many requests through one engine, nothing lost, the pool full at the
 end, resident memory flat after warm-up. The fast test is a short soak; the 10,000-request one is slow."""
 from __future__ import annotations
 
 import pytest
 
-from experiments.soak import SoakConfig, run_soak
+from experiments.bench.soak import SoakConfig, run_soak
 
 
 def test_short_soak_loses_nothing_and_returns_every_block():

@@ -1,10 +1,10 @@
-"""``experiments.validation``'s comparison: real vs simulated per case, on the median of repeated real runs."""
+"""``experiments.calibration.validation``'s comparison: real vs simulated per case, on the median of repeated real runs."""
 from __future__ import annotations
 
 import pandas as pd
 import pytest
 
-from experiments.validation import CASE_COLUMN, comparison, medians
+from experiments.calibration.validation import CASE_COLUMN, comparison, medians
 
 
 def job(case: str, engine: str, tpot: float, status: str = "ok") -> dict:

@@ -6,10 +6,10 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
-from experiments import workloads
+from experiments.harness import workloads
 from engine.tokenizer import load_tokenizer
-from experiments.chat_prompts import prompt_bank
-from experiments.workloads import gamma_arrival_offsets
+from experiments.harness.chat_prompts import prompt_bank
+from experiments.harness.workloads import gamma_arrival_offsets
 from pathlib import Path
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"

@@ -8,7 +8,7 @@ path. The choice, from measurements in this repository:
   section 9.1: 1.5x / 1.2x / 1.3x faster decode steps at batch 1 / 8 / 32 than ``torch_sdpa``), when
   its kernel compiles; without a C compiler it warns and falls back to ``torch_sdpa``.
 * CUDA: ``torch_sdpa``. ``triton_paged`` is the in-place kernel for CUDA, but no GPU run of
-  ``experiments/gpu_check.sh`` (which times both side by side) has been recorded yet, so the
+  ``scripts/gpu_check.sh`` (which times both side by side) has been recorded yet, so the
   measured-safe choice stays; change ``CUDA_CHOICE`` when that measurement says otherwise.
 * Anything else (bfloat16 / float16 on CPU, MPS): ``torch_sdpa``, the backend that runs everywhere.
 
@@ -26,7 +26,7 @@ from engine.native import NativeKernelUnavailable
 from strategies.attention.cpu_paged import CpuPagedBackend
 from strategies.attention.torch_sdpa import TorchSDPABackend
 
-CUDA_CHOICE = TorchSDPABackend  # experiments/gpu_check.sh measures triton_paged against it
+CUDA_CHOICE = TorchSDPABackend  # scripts/gpu_check.sh measures triton_paged against it
 
 
 def preferred_backend(device: torch.device, dtype: torch.dtype) -> type:

@@ -16,16 +16,16 @@ from typing import Any
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.driver import drive, warm_up
-from experiments.environment import environment
-from experiments.metrics import SLO, priority_class_metrics, queueing_metrics, request_metrics, step_metrics
-from experiments.plots import plot_run
-from experiments.records import fill_priorities, fill_texts
-from experiments.results import (
+from experiments.harness.driver import drive, warm_up
+from experiments.harness.environment import environment
+from experiments.harness.metrics import SLO, priority_class_metrics, queueing_metrics, request_metrics, step_metrics
+from experiments.results.plots import plot_run
+from experiments.harness.records import fill_priorities, fill_texts
+from experiments.results.files import (
     requests_frame, sample_answers, steps_frame, summary_markdown, summary_table, write_csv, write_file, write_json,
     write_text_file,
 )
-from experiments.workloads import special_token_ids, tokenize_requests, warmup_requests
+from experiments.harness.workloads import special_token_ids, tokenize_requests, warmup_requests
 
 log = logging.getLogger(__name__)
 LABEL_GROUPS = ("engine", "model", "cache", "scheduler", "attention", "workload")
@@ -85,7 +85,7 @@ def _measure(cfg: DictConfig, out_dir: Path, summary: dict[str, Any]) -> list[Pa
         requests = instantiate(cfg.workload, vocab_size=model_config.vocab_size, special_token_ids=special)
         requests = tokenize_requests(requests, tokenizer)
         warmup = warmup_requests(model_config.vocab_size, special, cfg.driver.warmup_requests)
-        if hasattr(engine, "drive"):  # HTTP load clients send the workload themselves (experiments/http_engines.py)
+        if hasattr(engine, "drive"):  # HTTP load clients send the workload themselves (experiments/http/engines.py)
             summary["setup_s"] = time.perf_counter() - setup_start
             result = engine.drive(requests, cfg.driver.max_concurrency, warmup, progress=cfg.driver.progress)
         else:

@@ -1,7 +1,7 @@
 """Result files that survive a crash and never replace each other.
 
 A run can die at any moment (killed, out of memory, a power cut). A file written in place is
-then left truncated under its final name, and a reader (``experiments.report``) cannot tell it
+then left truncated under its final name, and a reader (``experiments.results.report``) cannot tell it
 from a finished one. So every result file is written the way databases and editors do it:
 
 1. fill a hidden temporary file in the same folder (``.name.partial-<pid>.ext``: same

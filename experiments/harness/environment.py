@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def git_commit(root: Path = ROOT) -> dict[str, Any]:

@@ -15,8 +15,8 @@ CPU-time columns are the robust comparison (a descheduled process does not accru
 with more threads CPU time also counts OpenMP's spin-waiting, so compare wall time on a quiet
 machine. The workload-driven counterpart is ``python run.py +experiment=shared_prefix_attention``.
 
-    python -m experiments.cascade_bench --users 1 8 16 30 --shared-tokens 500
-    python -m experiments.cascade_bench --engine smollm2-135m --users 8 16 30 --threads 1
+    python -m experiments.bench.cascade --users 1 8 16 30 --shared-tokens 500
+    python -m experiments.bench.cascade --engine smollm2-135m --users 8 16 30 --threads 1
 """
 from __future__ import annotations
 

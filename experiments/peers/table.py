@@ -15,7 +15,7 @@ Runs that failed are not dropped: an engine none of whose runs succeeded gets a 
 ``not run`` with the first line of the error (e.g. llama.cpp without a compiler to build it); one
 with some failed runs says how many in ``failed``. With ``targets`` (ratios the issue asks for),
 ``peer_targets.md/.csv`` marks each one met or not with the measured ratio.
-``python -m experiments.peer_table <sweep dir>`` rebuilds the table from the run folders.
+``python -m experiments.peers.table <sweep dir>`` rebuilds the table from the run folders.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from typing import Any
 import pandas as pd
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from experiments.report import ReportCallback, collect, write_table_files
+from experiments.results.report import ReportCallback, collect, write_table_files
 
 REFERENCE = "servelab_http"
 METRICS = {"output_throughput": "output tok/s", "ttft_s_p50": "TTFT p50 (s)", "ttft_s_p99": "TTFT p99 (s)",

@@ -1,6 +1,6 @@
 """Aggregate a multirun into one table and comparison plots.
 
-    python -m experiments.report results/sweeps/<dir>
+    python -m experiments.results.report results/sweeps/<dir>
 
 Every job folder under the sweep (one with ``summary.json`` or a ``.hydra`` folder) becomes one
 row of ``report.csv`` / ``report.md``: its status, its swept overrides as columns, the run labels
@@ -30,9 +30,9 @@ import yaml  # noqa: E402
 from hydra.experimental.callback import Callback  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from experiments.metrics import decode_seconds_per_1k_context  # noqa: E402
-from experiments.plots import save_figure  # noqa: E402
-from experiments.results import write_csv, write_text_file  # noqa: E402
+from experiments.harness.metrics import decode_seconds_per_1k_context  # noqa: E402
+from experiments.results.plots import save_figure  # noqa: E402
+from experiments.results.files import write_csv, write_text_file  # noqa: E402
 
 LABEL_COLUMNS = ["engine", "hardware", "model", "cache", "scheduler", "attention", "attention_backend", "workload", "concurrency", "block_size",
                  "capacity_tokens", "max_num_seqs", "dtype", "seed"]

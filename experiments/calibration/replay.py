@@ -23,8 +23,8 @@ import pandas as pd
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.driver import drive, warm_up
-from experiments.workloads import special_token_ids, tokenize_requests, warmup_requests
+from experiments.harness.driver import drive, warm_up
+from experiments.harness.workloads import special_token_ids, tokenize_requests, warmup_requests
 
 #: the columns a replay must reproduce exactly before its other columns are trusted
 CHECKED = ("num_seqs", "num_prefill_tokens", "num_decode_tokens", "num_wasted_slots", "num_sampled",

@@ -1,6 +1,6 @@
 """Fit the simulator's cost model to real runs: ``conf/hardware/<NAME>.yaml`` from ``steps.csv``.
 
-    python -m experiments.calibrate results/runs/<time> [more run dirs] --name cpu-1thread
+    python -m experiments.calibration.calibrate results/runs/<time> [more run dirs] --name cpu-1thread
 
 Each run folder holds the resolved ``config.yaml`` (which model, which dtype) and ``steps.csv``
 (one row per engine step: its shape and measured duration). The fit is non-negative least
@@ -13,7 +13,7 @@ set aside and counted; if more than a quarter are, nothing is written. All runs 
 The attention term counts the query-key pairs the run's attention backend computes (its
 ``attention_pairs``: the padded rectangle for the gather backends, causal pairs for fused
 kernels), and the hardware file records which. Runs stored before ``steps.csv`` recorded the
-padded pairs get them from a checked replay of their scheduling (:mod:`experiments.replay`).
+padded pairs get them from a checked replay of their scheduling (:mod:`experiments.calibration.replay`).
 
 The datasheet-like ``--peak-tflops`` / ``--bandwidth-tbps`` only set the units of the terms (the
 fitted multipliers absorb them); their defaults are this project's 2-core CPU probe in float32
@@ -35,13 +35,13 @@ from omegaconf import OmegaConf
 
 from engine.config import CONF_DIR
 from engine.step_shape import StepShape
-from experiments.replay import recovered_shapes
-from experiments.safe_files import write_text_file
+from experiments.calibration.replay import recovered_shapes
+from experiments.results.safe_files import write_text_file
 from simulator.cost_model import CostModel, Fit, fit_coefficients
 from simulator.hardware import Hardware
 from simulator.model_shapes import hf_config_of, model_config_for_costs
 
-HARDWARE_DIR = Path(__file__).resolve().parents[1] / "conf" / "hardware"
+HARDWARE_DIR = Path(__file__).resolve().parents[2] / "conf" / "hardware"
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 AUTO_ATTENTION = OmegaConf.load(CONF_DIR / "attention" / "auto.yaml")["_target_"]
 MIN_KEPT_SHARE = 0.75  # a fit that must set aside more steps than this share as disturbed is refused
@@ -196,11 +196,11 @@ def hardware_yaml(name: str, fit: Fit, about: dict, run_dirs: Sequence[Path], pe
     shared_kv = (f"{c['shared_kv_time_scale']:.6g}   # fitted: x (bytes of KV blocks another sequence of the step reads "
                  "too / bandwidth_tbps)" if about["shared_kv_seen"] else
                  "null   # not fitted: no calibration step shared a KV block (null: priced as kv_time_scale)")
-    how = (f"python -m experiments.calibrate {' '.join(str(p) for p in run_dirs)} --name {name} ({when}); "
+    how = (f"python -m experiments.calibration.calibrate {' '.join(str(p) for p in run_dirs)} --name {name} ({when}); "
            f"{fit.num_kept} of {fit.num_steps} steps kept (the rest disturbed, > {DISTURBED_RATIO}x the fit), "
            f"R^2 {fit.r_squared:.3f}, median |relative error| {fit.median_abs_rel_error:.1%}"
            + (f"; {note}" if note else ""))
-    return f"""# Calibrated on a real machine by experiments/calibrate.py: coefficients fitted (non-negative
+    return f"""# Calibrated on a real machine by experiments/calibration/calibrate.py: coefficients fitted (non-negative
 # least squares) to the step durations of {runs}.
 # Valid for model {about['model']} ({about['dtype']}) with attention {about['attention']} and engine
 # options {engine_options}: the step overhead and weight terms hold that model's weight read. Formula: docs/simulator.md.

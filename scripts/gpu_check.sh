@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # GPU check: one script, under ten minutes on one GPU (sized for an H200).
 #
-#   bash experiments/gpu_check.sh                  # writes under $OUT, else results/reference/gpu/
+#   bash scripts/gpu_check.sh                  # writes under $OUT, else results/reference/gpu/
 #
 # (a) parity on CUDA of every attention backend (torch_sdpa, eager, triton_paged), each with and
 #     without CUDA graphs, against torch_sdpa eager: greedy tokens equal on a small random Llama
 #     (ragged prompts, batch shrinking through the graph buckets) and prefill logits close; plus
 #     the CUDA tests of tests/test_optimizations.py and tests/test_attention_backends.py;
-# (b) roofline of the decode step (experiments/roofline.py) for Qwen2.5-0.5B bf16 at B = 1..256;
+# (b) roofline of the decode step (experiments/bench/roofline.py) for Qwen2.5-0.5B bf16 at B = 1..256;
 # (c) the peer benchmark: Qwen2.5-0.5B architecture (random weights) in bfloat16, burst workload at
 #     concurrency 32, 128, 256: servelab (paged + continuous + torch_sdpa, and triton_paged with
-#     CUDA graphs) against HF generate_batch (hf_continuous); one table via experiments.report.
+#     CUDA graphs) against HF generate_batch (hf_continuous); one table via experiments.results.report.
 #
 # Knobs (environment): GPU_CHECK_DEVICE (default cuda; `cpu` runs part (a) only, as a dry run on
 # machines without a GPU: triton through TRITON_INTERPRET=1, CUDA graphs ignored),
@@ -112,9 +112,9 @@ log "(a) CUDA tests"
 # ---- (b) roofline -------------------------------------------------------------------------------
 log "(b) roofline: qwen2.5-0.5b bfloat16"
 # (the first use builds the random Qwen2.5-0.5B checkpoint into $SERVELAB_CACHE: allow for it)
-timeout 240 "$PYTHON" -m experiments.roofline --model qwen2.5-0.5b --dtype bfloat16 --device cuda \
+timeout 240 "$PYTHON" -m experiments.bench.roofline --model qwen2.5-0.5b --dtype bfloat16 --device cuda \
   --batch-sizes 1 32 128 256 --context 128 --out "$DEST/roofline" 2>&1 | tail -n 8 | tee -a "$DEST/gpu_check.log" || true
-timeout 120 "$PYTHON" -m experiments.roofline --model qwen2.5-0.5b --dtype bfloat16 --device cuda \
+timeout 120 "$PYTHON" -m experiments.bench.roofline --model qwen2.5-0.5b --dtype bfloat16 --device cuda \
   --attention triton_paged --batch-sizes 1 32 128 256 --context 128 --out "$DEST/roofline_triton" 2>&1 \
   | tail -n 6 | tee -a "$DEST/gpu_check.log" || true
 
@@ -131,7 +131,7 @@ timeout 150 "$PYTHON" run.py -m +experiment=peer_benchmark +serving=servelab_bes
   | tee -a "$DEST/gpu_check.log" || true
 for sweep in peer_benchmark peer_benchmark_graphs; do
   if [ -d "$DEST/$sweep" ]; then
-    "$PYTHON" -m experiments.report "$DEST/$sweep" 2>&1 | tail -n 30 | tee -a "$DEST/gpu_check.log" || true
+    "$PYTHON" -m experiments.results.report "$DEST/$sweep" 2>&1 | tail -n 30 | tee -a "$DEST/gpu_check.log" || true
   fi
 done
 log "done; parity status $PARITY; results in $DEST"

@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from experiments.http_client import HTTPOutcome
-from experiments.metrics import SLO
+from experiments.http.client import HTTPOutcome
+from experiments.harness.metrics import SLO
 
 PERCENTILES = (50, 90, 99)
 # The top-level keys `vllm bench serve --save-result --save-detailed` writes for a generation run.

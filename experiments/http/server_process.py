@@ -28,7 +28,7 @@ from typing import Any
 import urllib.request
 from omegaconf import DictConfig, OmegaConf
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 STRATEGY_GROUPS = ("model", "cache", "scheduler", "attention")
 
 

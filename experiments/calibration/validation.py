@@ -1,8 +1,8 @@
 """Simulator validation: the real engine and the calibrated simulator on identical requests.
 
     python run.py +experiment=simulator_validation          # the sweep, then this comparison
-    python -m experiments.validation results/sweeps/<time>  # the comparison again, on a finished sweep
-    python -m experiments.validation OUT --real-from results/sweeps/<time> --hardware NAME
+    python -m experiments.calibration.validation results/sweeps/<time>  # the comparison again, on a finished sweep
+    python -m experiments.calibration.validation OUT --real-from results/sweeps/<time> --hardware NAME
                                    # re-simulate stored real runs on another calibration, no real engine
 
 The sweep runs every held-out configuration (``conf/validation_case/``: scheduler x cache x
@@ -42,10 +42,10 @@ from hydra.experimental.callback import Callback  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from engine.config import CONF_DIR  # noqa: E402
-from experiments.job import execute  # noqa: E402
-from experiments.plots import save_figure  # noqa: E402
-from experiments.report import collect, job_dirs, markdown_table, read_summary  # noqa: E402
-from experiments.results import write_csv, write_text_file  # noqa: E402
+from experiments.harness.job import execute  # noqa: E402
+from experiments.results.plots import save_figure  # noqa: E402
+from experiments.results.report import collect, job_dirs, markdown_table, read_summary  # noqa: E402
+from experiments.results.files import write_csv, write_text_file  # noqa: E402
 
 CASE_COLUMN = "override:validation_case"
 #: metric key in summary.json -> (label, target median |relative error| or None)

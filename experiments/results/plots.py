@@ -10,7 +10,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from experiments.safe_files import write_file  # noqa: E402
+from experiments.results.safe_files import write_file  # noqa: E402
 
 
 def save_figure(fig: plt.Figure, path: Path) -> Path:

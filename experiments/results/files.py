@@ -1,7 +1,7 @@
 """Write one run's result files (requests.csv, steps.csv, summary.json, summary.md).
 
 Column lists live here and are documented in docs/results_columns.md. Every file is written
-crash-safely through :mod:`experiments.safe_files` (a temporary name, then an atomic link) and
+crash-safely through :mod:`experiments.results.safe_files` (a temporary name, then an atomic link) and
 never overwritten silently: if a name is taken, a warning is logged and ``name_1.ext``,
 ``name_2.ext``... is written instead.
 """
@@ -16,11 +16,11 @@ from typing import Any
 
 import pandas as pd
 
-from experiments.metrics import (
+from experiments.harness.metrics import (
     SLO, e2e, e2e_including_client_queue, itls, meets_slo, queue_time, tpot, ttft,
 )
-from experiments.records import RequestRecord
-from experiments.safe_files import write_file, write_text_file
+from experiments.harness.records import RequestRecord
+from experiments.results.safe_files import write_file, write_text_file
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Decode-step roofline: how far is the engine's decode step from this machine's lower bound?
 
-    python -m experiments.roofline [--model smollm2-135m] [--dtype float32] [--device cpu] [--attention auto]
+    python -m experiments.bench.roofline [--model smollm2-135m] [--dtype float32] [--device cpu] [--attention auto]
                                    [--batch-sizes 1 8 32] [--context 128] [--steps 10] [--out DIR]
 
 1. Measures the machine: memory bandwidth (the better of a large tensor copy, counting the read
@@ -39,7 +39,7 @@ import pandas as pd
 import torch
 
 from engine.device import DTYPES, resolve_device, resolve_dtype
-from experiments.results import write_csv, write_text_file
+from experiments.results.files import write_csv, write_text_file
 
 
 def _sync(device: torch.device) -> None:

@@ -6,7 +6,7 @@ configurations gets one row per configuration: median output tok/s and TTFT p50/
 (medians over interleaved repeats, ``+repeat=...``), and HTTP / in-process ratios (tok/s: 1.0
 means the server costs nothing; TTFT: 1.0 means no added latency). Written as
 ``http_vs_inprocess.md/.csv`` at the end of the sweep (Hydra callback), or rebuilt with
-``python -m experiments.http_overhead <sweep dir>``.
+``python -m experiments.bench.http_overhead <sweep dir>``.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from typing import Any
 import pandas as pd
 from omegaconf import DictConfig
 
-from experiments.report import ReportCallback, axis_columns, collect, write_table_files
+from experiments.results.report import ReportCallback, axis_columns, collect, write_table_files
 
 IN_PROCESS, OVER_HTTP = "servelab", "servelab_http"
 METRICS = {"output_throughput": "tok/s", "ttft_s_p50": "TTFT p50 (s)", "ttft_s_p99": "TTFT p99 (s)"}

@@ -27,8 +27,8 @@ from typing import Any, Protocol
 
 from tqdm import tqdm
 
-from experiments.records import RequestRecord, record_from_output, step_to_dict
-from experiments.workloads import WorkloadRequest
+from experiments.harness.records import RequestRecord, record_from_output, step_to_dict
+from experiments.harness.workloads import WorkloadRequest
 
 
 class ServingEngine(Protocol):

@@ -8,7 +8,7 @@ meaningless and they run with ``ignore_eos`` so every request produces exactly `
 tokens (vLLM's random dataset does the same).
 
 ``chat`` is the real-text workload: questions and instructions from servelab's prompt bank
-(:mod:`experiments.chat_prompts`), sent as chat messages and rendered through the model's chat
+(:mod:`experiments.harness.chat_prompts`), sent as chat messages and rendered through the model's chat
 template by :func:`tokenize_requests`; answers end at EOS, so output lengths are the model's own.
 
 The same ``(parameters, seed, vocab_size, special ids)`` always gives the same requests, so two
@@ -30,7 +30,7 @@ import numpy as np
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import encode_chat
 from engine.tokenizer import special_token_ids as tokenizer_special_ids
-from experiments.chat_prompts import prompt_bank
+from experiments.harness.chat_prompts import prompt_bank
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Hugging Face baselines behind the driver's engine surface (see ``experiments.driver.ServingEngine``).
+"""Hugging Face baselines behind the driver's engine surface (see ``experiments.harness.driver.ServingEngine``).
 
 Both load the very checkpoint servelab loads (``engine.loader.checkpoint_for_spec``, as ``LLM.from_config`` does)
 with ``AutoModelForCausalLM`` and report :class:`engine.outputs.RequestOutput` records, so

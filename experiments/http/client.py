@@ -1,6 +1,6 @@
 """Drive a workload through any OpenAI-compatible server over HTTP, the way ``vllm bench serve`` does.
 
-The in-process driver (:mod:`experiments.driver`) steps an engine it owns; this one only talks
+The in-process driver (:mod:`experiments.harness.driver`) steps an engine it owns; this one only talks
 HTTP, so it measures any server: servelab's own (``serve.py``), vLLM, SGLang, llama.cpp's
 ``llama-server``. It follows vLLM's benchmark client (``vllm/benchmarks/lib/endpoint_request_func.py``
 and ``vllm/benchmarks/serve.py``):
@@ -34,9 +34,9 @@ from typing import Any, Literal
 import aiohttp
 from tqdm import tqdm
 
-from experiments.driver import DriveResult
-from experiments.records import RequestRecord
-from experiments.workloads import WorkloadRequest
+from experiments.harness.driver import DriveResult
+from experiments.harness.records import RequestRecord
+from experiments.harness.workloads import WorkloadRequest
 
 Endpoint = Literal["completions", "chat"]
 

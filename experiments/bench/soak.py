@@ -1,7 +1,7 @@
 """Soak test: thousands of requests through one engine, checking nothing is lost or leaked.
 
-    python -m experiments.soak                      # 10,000 requests, tiny model, prefix + preemptive, small pool
-    python -m experiments.soak --requests 2000 --out results/soak   # shorter; also writes soak.json
+    python -m experiments.bench.soak                      # 10,000 requests, tiny model, prefix + preemptive, small pool
+    python -m experiments.bench.soak --requests 2000 --out results/soak   # shorter; also writes soak.json
 
 Requests arrive as a Poisson process counted in engine steps (``--rate`` arrivals per step on
 average: no sleeping, so the run is as fast as the engine and repeatable for a seed). Prompts
@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from engine import LLM, SamplingParams
-from experiments.results import write_json
+from experiments.results.files import write_json
 
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 

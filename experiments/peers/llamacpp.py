@@ -1,6 +1,6 @@
 """``engine=llamacpp``: llama.cpp's ``llama-server`` as a peer, measured over HTTP like servelab's server.
 
-llama.cpp is what CPU users run. The harness gets the binaries (:mod:`experiments.llamacpp_build`:
+llama.cpp is what CPU users run. The harness gets the binaries (:mod:`experiments.peers.llamacpp_build`:
 on PATH, cached, or built once), picks the GGUF file of the run's model (``model.path`` when it
 is a ``.gguf`` file, else the file shipped in ``model.gguf_package``), converts it to the weight
 type asked for (``weights``; cached), and starts ``llama-server`` on a free 127.0.0.1 port with
@@ -12,7 +12,7 @@ type asked for (``weights``; cached), and starts ``llama-server`` on a free 127.
 * ``--alias`` = the model's name (the ``model`` field of requests).
 
 It waits for ``/health`` (bounded), then sends the run's workload with the HTTP load client
-(:class:`experiments.http_engines.OpenAIEngine`: streamed completions with token-id prompts,
+(:class:`experiments.http.engines.OpenAIEngine`: streamed completions with token-id prompts,
 ``ignore_eos``, vLLM's benchmark rules), writes the same result files as every engine, and stops
 the server's process group at the end, also when the run fails.
 
@@ -31,10 +31,10 @@ import torch
 from omegaconf import DictConfig
 
 from engine.gguf_checkpoint import locate_package_file
-from experiments.http_client import HTTPTarget
-from experiments.http_engines import StartedServerEngine, run_folder
-from experiments.llamacpp_build import LlamaCppBinaries, find_binaries, requantized_gguf
-from experiments.server_process import ServerProcess, free_loopback_port
+from experiments.http.client import HTTPTarget
+from experiments.http.engines import StartedServerEngine, run_folder
+from experiments.peers.llamacpp_build import LlamaCppBinaries, find_binaries, requantized_gguf
+from experiments.http.server_process import ServerProcess, free_loopback_port
 
 
 def model_gguf(model: DictConfig | dict[str, Any]) -> Path:

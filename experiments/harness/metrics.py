@@ -1,6 +1,6 @@
 """Serving metrics with exactly the definitions of vLLM's serving benchmark.
 
-Per request (times from :class:`~experiments.records.RequestRecord`). As in ``vllm bench
+Per request (times from :class:`~experiments.harness.records.RequestRecord`). As in ``vllm bench
 serve``, the latency clock starts when the client *sends* the request (``submit_s``, after any
 client-side concurrency cap); the wait behind the cap is reported on its own:
 
@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from experiments.records import RequestRecord
+from experiments.harness.records import RequestRecord
 
 PERCENTILES = (50, 90, 99)
 

@@ -17,9 +17,9 @@ re-reading a shared block saves. Process CPU time per step (robust on a shared m
 
 Rows / cases alternate rep by rep (machine noise hits all) and medians are printed. One thread.
 
-    python -m experiments.step_cost_bench gemm --reps 5
-    python -m experiments.step_cost_bench prefill --reps 3
-    python -m experiments.step_cost_bench shared --reps 30
+    python -m experiments.bench.step_cost gemm --reps 5
+    python -m experiments.bench.step_cost prefill --reps 3
+    python -m experiments.bench.step_cost shared --reps 30
 """
 from __future__ import annotations
 

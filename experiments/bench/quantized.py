@@ -13,8 +13,8 @@ where the ratio falls below 1 is the crossover that ``quant_gemm_max_rows()`` re
 ``--prompt`` tokens alternately, round by round; medians of the decode steps'
 ``StepRecord.duration_s``.
 
-    python -m experiments.quantized_bench --threads 1 --rows 1 2 4 8 12 14 16 24
-    python -m experiments.quantized_bench --engine smollm2-135m-instruct --rows 1 4 8 14 16 --threads 2
+    python -m experiments.bench.quantized --threads 1 --rows 1 2 4 8 12 14 16 24
+    python -m experiments.bench.quantized --engine smollm2-135m-instruct --rows 1 4 8 14 16 --threads 2
 """
 from __future__ import annotations
 

@@ -5,13 +5,13 @@
   workload's token-id prompts are drawn from that model's vocabulary (its special ids avoided),
   and the chat endpoint decodes them with its tokenizer; it must be the model the server serves.
 * ``engine=servelab_http`` (:class:`ServelabHTTPEngine`): starts ``serve.py`` with the run's own
-  strategy config on a free loopback port (:mod:`experiments.server_process`), measures it the
+  strategy config on a free loopback port (:mod:`experiments.http.server_process`), measures it the
   same way, and stops it. Beside an ``engine=servelab`` run of the same config, it shows what the
   HTTP layer costs.
 
-Both send the load with :mod:`experiments.http_client` (vLLM's benchmark rules), scrape the
-server's ``/metrics`` around the run (:mod:`experiments.server_scrape`), and add
-``vllm_bench.json`` (:mod:`experiments.vllm_bench`) to the usual result files. ``job.py`` calls
+Both send the load with :mod:`experiments.http.client` (vLLM's benchmark rules), scrape the
+server's ``/metrics`` around the run (:mod:`experiments.http.scrape`), and add
+``vllm_bench.json`` (:mod:`experiments.http.vllm_bench`) to the usual result files. ``job.py`` calls
 :meth:`OpenAIEngine.drive` instead of the in-process driver for them.
 """
 from __future__ import annotations
@@ -31,14 +31,14 @@ from omegaconf import DictConfig, OmegaConf
 from engine.loader import checkpoint_for_spec
 from engine.model_config import ModelConfig
 from engine.tokenizer import decode, load_tokenizer, require_tokenizer
-from experiments.driver import DriveResult
-from experiments.environment import APPLIED_LOG_PREFIX
-from experiments.http_client import HTTPTarget, drive_result, run_load, warm_up
-from experiments.metrics import SLO
-from experiments.server_process import ServerProcess, free_loopback_port, server_config, start_serve_py
-from experiments.server_scrape import MetricsSampler
-from experiments.vllm_bench import vllm_bench_result
-from experiments.workloads import WorkloadRequest
+from experiments.harness.driver import DriveResult
+from experiments.harness.environment import APPLIED_LOG_PREFIX
+from experiments.http.client import HTTPTarget, drive_result, run_load, warm_up
+from experiments.harness.metrics import SLO
+from experiments.http.server_process import ServerProcess, free_loopback_port, server_config, start_serve_py
+from experiments.http.scrape import MetricsSampler
+from experiments.http.vllm_bench import vllm_bench_result
+from experiments.harness.workloads import WorkloadRequest
 
 
 async def first_served_model(base_url: str, api_key: str | None, timeout_s: float) -> str:

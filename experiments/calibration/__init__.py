@@ -1,0 +1,1 @@
+"""The simulator's calibration: fitting the cost model to real runs, replay, and validation."""

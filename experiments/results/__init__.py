@@ -1,0 +1,1 @@
+"""What a run leaves behind: result files (crash-safe), per-run plots and the multirun report."""
