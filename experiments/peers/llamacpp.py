@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from engine.gguf_checkpoint import locate_package_file
+from engine.package_files import locate_package_file
 from experiments.http.client import HTTPTarget
 from experiments.http.engines import StartedServerEngine, run_folder
 from experiments.peers.llamacpp_build import LlamaCppBinaries, find_binaries, requantized_gguf
