@@ -1,29 +1,93 @@
 #!/usr/bin/env bash
-# Re-creates results/reference/: every experiment of conf/experiment/ on
-# model=smollm2-135m (the SmolLM2-135M architecture, random weights, float32; length-controlled
-# workloads with ignore_eos), one after another, plus the roofline probe; peer_benchmark runs on
-# the real model (smollm2-135m-instruct, its GGUF weights: llama.cpp serves the same file).
-# Usage: scripts/reference_runs.sh [experiment ...]   (default: all). An existing folder is kept:
-# remove it first to rerun (nothing is overwritten silently).
+# Re-creates results/reference/: one folder per experiment, under the experiment's name
+# (results/reference/README.md lists each folder, what it shows, its command and how long it took).
+# Real-engine experiments run on model=smollm2-135m (the SmolLM2-135M architecture, random
+# weights, float32; length-controlled workloads with ignore_eos); online_serving, http_overhead and
+# peer_benchmark run on the real model (smollm2-135m-instruct, its GGUF weights: llama.cpp serves
+# the same file); gpu_scale and gpu_scale_l4 run the simulator on datasheet GPU presets.
+# simulator_calibration fits conf/hardware/cpu-1thread.yaml from three runs of the real engine;
+# simulator_validation then checks that fit against the real engine, and simulator_speed times the
+# simulator. Any other conf/experiment/ name runs as the first group does.
+# Usage: scripts/reference_runs.sh [experiment ...]   (default: all, in the order below).
+# An existing folder is kept and its experiment skipped, with a message: remove the folder first to
+# rerun (nothing is overwritten silently). simulator_calibration also keeps an existing
+# conf/hardware/cpu-1thread.yaml: remove both to refit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 OUT=results/reference
+CALIBRATION=cpu-1thread   # conf/hardware/<this>.yaml: written by simulator_calibration, used by simulator_validation
+all=(naive_vs_continuous squeezed_pool prefix_sharing memory_pressure block_size_sweep decode_scaling
+  concurrency_sweep shared_prefix_attention online_serving http_overhead peer_benchmark roofline
+  simulator_calibration simulator_validation simulator_speed gpu_scale gpu_scale_l4)
 experiments=("$@")
-[ ${#experiments[@]} -gt 0 ] || experiments=(naive_vs_continuous squeezed_pool prefix_sharing memory_pressure
-  block_size_sweep decode_scaling concurrency_sweep peer_benchmark roofline)
+[ ${#experiments[@]} -gt 0 ] || experiments=("${all[@]}")
 mkdir -p "$OUT"
+
+# sweep FOLDER EXPERIMENT [override ...]: one Hydra multirun of conf/experiment/EXPERIMENT.yaml into $OUT/FOLDER.
+sweep() {
+  local folder=$1 experiment=$2
+  shift 2
+  $PY run.py +experiment="$experiment" "$@" hydra.sweep.dir="$OUT/$folder" driver.progress=false
+}
+
+# Three calibration runs of the real engine (one OpenMP thread): decode batches from 16 down to 1
+# with prompts of 16-512 tokens (c = 16), long runs of 1-2 sequences (c = 2), and decode steps
+# whose sequences share a 384-token prefix in the prefix cache (a leader computes it, 15 users
+# arrive together 1 s later and hit it); then the fit of all three into conf/hardware/$CALIBRATION.yaml.
+simulator_calibration() {
+  local cal=$OUT/simulator_calibration
+  OMP_NUM_THREADS=1 $PY run.py model=smollm2-135m workload=burst workload.concurrency=16 workload.max_prompt_len=512 \
+    driver.progress=false hydra.run.dir="$cal/smollm2-burst-c16-p512"
+  OMP_NUM_THREADS=1 $PY run.py model=smollm2-135m workload=burst workload.concurrency=2 workload.requests_per_slot=4 \
+    workload.max_prompt_len=512 driver.progress=false hydra.run.dir="$cal/smollm2-burst-c2-p512"
+  OMP_NUM_THREADS=1 $PY run.py model=smollm2-135m cache=prefix workload=shared_prefix workload.num_users=16 \
+    workload.prefix_len=384 workload.arrival_interval_s=0.03 workload.leader_lead_s=1.0 workload.max_tokens=48 \
+    driver.progress=false hydra.run.dir="$cal/smollm2-shared-prefix-u16"
+  $PY -m experiments.calibration.calibrate "$cal/smollm2-burst-c16-p512" "$cal/smollm2-burst-c2-p512" \
+    "$cal/smollm2-shared-prefix-u16" --name "$CALIBRATION" --note "OMP_NUM_THREADS=1; scripts/reference_runs.sh simulator_calibration"
+}
+
+# The simulator's speed: the 10,000-request H100 command and a 20-point concurrency sweep (1,000
+# requests each), each timed by /usr/bin/time into the folder (benchmark_time.txt, sweep_time.txt).
+simulator_speed() {
+  local speed=$OUT/simulator_speed
+  mkdir -p "$speed"
+  /usr/bin/time -f "wall %e s, user %U s, sys %S s" -o "$speed/benchmark_time.txt" \
+    $PY run.py engine=simulated hardware=h100 model=llama-3.1-8b workload=poisson workload.num_requests=10000 \
+    workload.rate=100 driver.progress=false plots=false hydra.run.dir="$speed/poisson_10000"
+  cat "$speed/benchmark_time.txt"
+  /usr/bin/time -f "wall %e s, user %U s, sys %S s" -o "$speed/sweep_time.txt" \
+    $PY run.py -m engine=simulated hardware=h100 model=llama-3.1-8b workload=poisson workload.num_requests=1000 \
+    workload.rate=inf scheduler.max_num_seqs=1024 'driver.max_concurrency=range(16,336,16)' plots=false \
+    driver.progress=false hydra.sweep.dir="$speed/sweep_20"
+  cat "$speed/sweep_time.txt"
+}
+
 # One line per experiment run (appended, never overwritten); each summary.json also records its environment.
 machine="$(nproc) CPU cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), no GPU, torch $($PY -c 'import torch; print(torch.__version__)')"
 for name in "${experiments[@]}"; do
-  if [ -e "$OUT/$name" ]; then echo "skip $name: $OUT/$name exists"; continue; fi
+  if [ -e "$OUT/$name" ]; then echo "skip $name: $OUT/$name exists (remove it to rerun)"; continue; fi
+  if [ "$name" = simulator_calibration ] && [ -e "conf/hardware/$CALIBRATION.yaml" ]; then
+    echo "skip $name: conf/hardware/$CALIBRATION.yaml exists (remove it and $OUT/$name to refit)"; continue
+  fi
+  case $name in
+    roofline | simulator_calibration | simulator_validation | simulator_speed | gpu_scale_l4) ;;
+    *) [ -f "conf/experiment/$name.yaml" ] || { echo "unknown experiment '$name': not in conf/experiment/ nor one of: ${all[*]}" >&2; exit 2; } ;;
+  esac
   echo "=== $name $(date -u +%T)"
   echo "$name: $(date -u '+%F %T') UTC, $machine, load average $(cut -d' ' -f1-3 /proc/loadavg)" >> "$OUT/MACHINE.txt"
-  if [ "$name" = roofline ]; then
-    $PY -m experiments.bench.roofline --out "$OUT/roofline"
-  elif [ "$name" = peer_benchmark ]; then
-    $PY run.py +experiment="$name" hydra.sweep.dir="$OUT/$name" driver.progress=false
-  else
-    $PY run.py +experiment="$name" model=smollm2-135m hydra.sweep.dir="$OUT/$name" driver.progress=false
-  fi
+  case $name in
+    roofline) $PY -m experiments.bench.roofline --out "$OUT/roofline" ;;
+    peer_benchmark | gpu_scale) sweep "$name" "$name" ;;
+    online_serving) OMP_NUM_THREADS=1 sweep "$name" "$name" ;;
+    http_overhead) OMP_NUM_THREADS=1 sweep "$name" "$name" plots=false ;;
+    gpu_scale_l4)  # the decode-heavy trace on a 24 GB L4, where memory caps the batch
+      sweep "$name" gpu_scale hardware=l4 gpu_trace=decode_heavy gpu_case=vllm_like,paged_reserve,contiguous \
+        driver.max_concurrency=64,512 ;;
+    simulator_calibration) simulator_calibration ;;
+    simulator_validation) OMP_NUM_THREADS=1 sweep "$name" "$name" hardware="$CALIBRATION" ;;
+    simulator_speed) simulator_speed ;;
+    *) sweep "$name" "$name" model=smollm2-135m ;;
+  esac
 done
