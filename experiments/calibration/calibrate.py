@@ -9,6 +9,8 @@ and the result is written as a hardware file that ``engine=simulated hardware=<N
 once. Too few steps, or a fit that explains too little (R^2 under ``--min-r2``), is reported and
 nothing is written. Steps slowed by other processes on a shared machine (over 1.5x the fit) are
 set aside and counted; if more than a quarter are, nothing is written. All runs must be of one model: the fixed step overhead holds its weight read.
+The file records, per cost-model feature, the range the kept steps covered (``feature_ranges``:
+:mod:`simulator.feature_ranges`); simulated runs count their steps outside it.
 
 The attention term counts the query-key pairs the run's attention backend computes (its
 ``attention_pairs``: the padded rectangle for the gather backends, causal pairs for fused
@@ -38,6 +40,7 @@ from engine.step_shape import StepShape
 from experiments.calibration.replay import recovered_shapes
 from experiments.results.safe_files import write_text_file
 from simulator.cost_model import CostModel, Fit, fit_coefficients
+from simulator.feature_ranges import covered_ranges, ranges_yaml
 from simulator.hardware import Hardware
 from simulator.model_shapes import hf_config_of, model_config_for_costs
 
@@ -150,13 +153,14 @@ def run_engine_record(run_dir: Path, cfg: dict, key: str, override: int | None) 
 
 def calibrate(run_dirs: Sequence[Path], peak_tflops: float, bandwidth_tbps: float,
               overrides: dict[str, int | None] | None = None) -> tuple[Fit, dict, dict]:
-    """Fit on all steps of ``run_dirs``; returns the fit, the model spec and what was fitted on.
+    """Fit on all steps of ``run_dirs``; returns the fit, the model spec and what was fitted on
+    (with ``feature_ranges``: the range of every cost-model feature over the steps the fit kept).
 
     ``overrides``: by :data:`ENGINE_RECORDS` key, how the linears ran (the few-row GEMM's limit and
     register tile, the oneDNN row buckets); missing or ``None`` takes what each run recorded (all
     runs must agree), a number overrides it (runs made before it was recorded)."""
     overrides = overrides or {}
-    configs, pairs, limits, terms, seconds = [], [], [], [], []
+    configs, pairs, limits, shapes, terms, seconds = [], [], [], [], [], []
     for run_dir in run_dirs:
         cfg, steps = load_run(Path(run_dir))
         configs.append(cfg)
@@ -175,7 +179,9 @@ def calibrate(run_dirs: Sequence[Path], peak_tflops: float, bandwidth_tbps: floa
         units = Hardware(name="units", peak_tflops=peak_tflops, bandwidth_tbps=bandwidth_tbps,
                          dtype_bytes=DTYPE_BYTES.get(cfg.get("dtype"), 4), attention_pairs=pairs[-1], **limits[-1])
         model = CostModel(units, model_config_for_costs(hf_config_of(cfg["model"])[0]))
-        terms += [model.terms(shape) for shape in step_shapes(steps)]
+        run_shapes = step_shapes(steps)
+        shapes += run_shapes
+        terms += [model.terms(shape) for shape in run_shapes]
         seconds += (steps.duration_s + between_steps_s(steps)).tolist()
     first = configs[0]
     attention = first["_backend"]["attention_backend"] or (first.get("attention") or {}).get("_target_")
@@ -185,7 +191,9 @@ def calibrate(run_dirs: Sequence[Path], peak_tflops: float, bandwidth_tbps: floa
              "attention": attention, "attention_pairs": pairs[0],
              **limits[0], "shared_kv_seen": shared_kv_seen,
              "engine": first.get("engine")}
-    return fit_coefficients(terms, seconds, DISTURBED_RATIO), first["model"], about
+    fit = fit_coefficients(terms, seconds, DISTURBED_RATIO)
+    about["feature_ranges"] = covered_ranges([s for s, kept in zip(shapes, fit.kept) if kept], pairs[0])
+    return fit, first["model"], about
 
 
 def hardware_yaml(name: str, fit: Fit, about: dict, run_dirs: Sequence[Path], peak_tflops: float,
@@ -227,6 +235,7 @@ attention_pairs: {about['attention_pairs']}     # pairs the calibrated attention
 calibrated: true            # fitted on a real machine (summaries say "simulated, calibrated")
 calibrated_model: {about['model']}    # the model the fit is valid for
 calibration: "{how}"        # how this file was made
+{ranges_yaml(about['feature_ranges'])}
 """
 
 
