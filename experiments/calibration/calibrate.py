@@ -1,6 +1,11 @@
 """Fit the simulator's cost model to real runs: ``conf/hardware/<NAME>.yaml`` from ``steps.csv``.
 
+    python -m experiments.calibration.calibrate --suite --name cpu-1thread     # the suite's runs, then the fit
     python -m experiments.calibration.calibrate results/runs/<time> [more run dirs] --name cpu-1thread
+
+``--suite`` runs the fixed plan ``conf/calibration/suite.yaml`` with the real engine first
+(:mod:`experiments.calibration.suite`: short runs spanning every term of the cost model, a few
+minutes on this project's 2-core machine) and fits on its runs; that is the way to calibrate.
 
 Each run folder holds the resolved ``config.yaml`` (which model, which dtype) and ``steps.csv``
 (one row per engine step: its shape and measured duration). The fit is non-negative least
@@ -38,6 +43,7 @@ from omegaconf import OmegaConf
 from engine.config import CONF_DIR
 from engine.step_shape import StepShape
 from experiments.calibration.replay import recovered_shapes
+from experiments.calibration.suite import SUITE_FILE, load_plan, run_plan, suite_dir
 from experiments.results.safe_files import write_text_file
 from simulator.cost_model import CostModel, Fit, fit_coefficients
 from simulator.feature_ranges import covered_ranges, ranges_yaml
@@ -197,14 +203,15 @@ def calibrate(run_dirs: Sequence[Path], peak_tflops: float, bandwidth_tbps: floa
 
 
 def hardware_yaml(name: str, fit: Fit, about: dict, run_dirs: Sequence[Path], peak_tflops: float,
-                  bandwidth_tbps: float, when: str, note: str = "") -> str:
+                  bandwidth_tbps: float, when: str, note: str = "", suite: bool = False) -> str:
     c = fit.coefficients
     runs = ", ".join(str(p) for p in run_dirs)
     engine_options = {k: v for k, v in (about["engine"] or {}).items() if not k.startswith("_")}
     shared_kv = (f"{c['shared_kv_time_scale']:.6g}   # fitted: x (bytes of KV blocks another sequence of the step reads "
                  "too / bandwidth_tbps)" if about["shared_kv_seen"] else
                  "null   # not fitted: no calibration step shared a KV block (null: priced as kv_time_scale)")
-    how = (f"python -m experiments.calibration.calibrate {' '.join(str(p) for p in run_dirs)} --name {name} ({when}); "
+    inputs = "--suite" if suite else " ".join(str(p) for p in run_dirs)
+    how = (f"python -m experiments.calibration.calibrate {inputs} --name {name} ({when}); "
            f"{fit.num_kept} of {fit.num_steps} steps kept (the rest disturbed, > {DISTURBED_RATIO}x the fit), "
            f"R^2 {fit.r_squared:.3f}, median |relative error| {fit.median_abs_rel_error:.1%}"
            + (f"; {note}" if note else ""))
@@ -241,7 +248,10 @@ calibration: "{how}"        # how this file was made
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("run_dirs", nargs="+", type=Path, help="run folders with config.yaml and steps.csv")
+    parser.add_argument("run_dirs", nargs="*", type=Path, help="run folders with config.yaml and steps.csv")
+    parser.add_argument("--suite", action="store_true",
+                        help=f"run the calibration suite ({SUITE_FILE.relative_to(SUITE_FILE.parents[2])}) with the "
+                             "real engine first and fit on its runs (instead of run_dirs)")
     parser.add_argument("--name", required=True, help="writes conf/hardware/<name>.yaml")
     parser.add_argument("--peak-tflops", type=float, default=0.15, help="units of the FLOP terms")
     parser.add_argument("--bandwidth-tbps", type=float, default=0.025, help="units of the byte terms")
@@ -260,11 +270,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--overwrite", action="store_true", help="replace an existing file of that name")
     parser.add_argument("--note", default="", help="how the runs were made, kept in the file (e.g. OMP_NUM_THREADS=1)")
     args = parser.parse_args(argv)
+    if args.suite == bool(args.run_dirs):
+        parser.error("give run folders or --suite, not both or neither")
     target = args.out_dir / f"{args.name}.yaml"
     if target.exists() and not args.overwrite:
         print(f"{target} exists; pick another --name or pass --overwrite", file=sys.stderr)
         return 2
     try:
+        if args.suite:
+            plan = load_plan()
+            print(f"calibration suite: {len(plan.runs)} real runs of {plan.model} into {suite_dir(args.name)}")
+            args.run_dirs = run_plan(plan, suite_dir(args.name))
+            args.note = "; ".join(filter(None, [f"the calibration suite ({SUITE_FILE.name}), "
+                                                f"{' '.join(f'{k}={v}' for k, v in plan.env.items())}", args.note]))
         fit, _, about = calibrate(args.run_dirs, args.peak_tflops, args.bandwidth_tbps, {
             "skinny_gemm_max_rows": args.small_batch_rows, "skinny_gemm_tile_rows": args.small_batch_tile_rows,
             "onednn_row_buckets": args.large_batch_row_buckets})
@@ -291,7 +309,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     # crash-safe; replaces an existing file only with --overwrite (checked above)
     write_text_file(hardware_yaml(args.name, fit, about, args.run_dirs, args.peak_tflops, args.bandwidth_tbps, when,
-                                  args.note.replace('"', "'")),
+                                  args.note.replace('"', "'"), args.suite),
                     target, replace=args.overwrite)
     print(f"wrote {target}: use it as hardware={args.name}")
     return 0
