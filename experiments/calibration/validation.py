@@ -45,6 +45,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import yaml  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
+from hydra.core.global_hydra import GlobalHydra  # noqa: E402
 from hydra.experimental.callback import Callback  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
@@ -265,6 +266,7 @@ class ValidationCallback(Callback):
         written = write_validation(root)
         print(written[1].read_text())
         if self.compare_hardware:
+            GlobalHydra.instance().clear()  # the sweep is over: resimulate composes each job's config itself
             roots = {sweep_hardware(root): root}
             for name in self.compare_hardware:
                 roots[name] = root.with_name(f"{root.name}-on-{name}")
