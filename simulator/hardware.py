@@ -6,7 +6,8 @@
   bandwidth, memory size) and default coefficients that say how far below the datasheet a real
   serving engine runs. Every summary that uses one is labelled ``projected, uncalibrated``.
 * a **calibration** (``calibrated: true``): written by ``python -m experiments.calibration.calibrate`` from
-  real runs' ``steps.csv``; its coefficients are fitted to this machine and one model.
+  real runs' ``steps.csv``; its coefficients are fitted to this machine and one model, and its
+  ``feature_ranges`` say which steps they were fitted on (:mod:`simulator.feature_ranges`).
 
 The coefficients are time multipliers on ideal times (1 / efficiency) and fixed overheads; the
 formula is in :mod:`simulator.cost_model` and docs/simulator.md.
