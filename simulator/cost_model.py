@@ -167,6 +167,7 @@ class Fit:
         r_squared: share of the variance of the kept steps' durations the fit explains.
         num_steps: steps offered; num_kept: steps the final fit used (the rest were disturbed).
         median_abs_rel_error: median |predicted - measured| / measured over the kept steps.
+        kept: per step offered, whether the final fit used it.
     """
 
     coefficients: dict[str, float]
@@ -174,6 +175,7 @@ class Fit:
     num_steps: int
     num_kept: int
     median_abs_rel_error: float
+    kept: tuple[bool, ...] = ()
 
 
 def _nnls_relative(x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -251,4 +253,5 @@ def fit_coefficients(terms: Sequence[StepTerms], seconds: Sequence[float], distu
         num_steps=len(y),
         num_kept=int(keep.sum()),
         median_abs_rel_error=float(np.median(np.abs(kept_predicted - kept_y) / kept_y)),
+        kept=tuple(bool(k) for k in keep),
     )

@@ -6,14 +6,18 @@
   bandwidth, memory size) and default coefficients that say how far below the datasheet a real
   serving engine runs. Every summary that uses one is labelled ``projected, uncalibrated``.
 * a **calibration** (``calibrated: true``): written by ``python -m experiments.calibration.calibrate`` from
-  real runs' ``steps.csv``; its coefficients are fitted to this machine and one model.
+  real runs' ``steps.csv``; its coefficients are fitted to this machine and one model, and its
+  ``feature_ranges`` say which steps they were fitted on (:mod:`simulator.feature_ranges`).
 
 The coefficients are time multipliers on ideal times (1 / efficiency) and fixed overheads; the
 formula is in :mod:`simulator.cost_model` and docs/simulator.md.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+
+from simulator.feature_ranges import FeatureRange, parse_ranges
 
 PROJECTED = "projected, uncalibrated"
 ATTENTION_PAIRS = ("causal", "padded")  # see Hardware.attention_pairs
@@ -65,6 +69,10 @@ class Hardware:
         calibrated: fitted on a real machine (``experiments.calibration.calibrate``) rather than a datasheet.
         calibrated_model: the model the calibration ran (its weight read hides in the step overhead).
         calibration: how the file was made (command, runs, date, fit quality).
+        feature_ranges: ``[min, max]`` of each cost-model feature over the calibration's steps
+            (:mod:`simulator.feature_ranges`; read into :class:`FeatureRange`); ``None``: a preset,
+            or a calibration written before ranges were recorded. Simulated runs count the steps
+            outside them (:mod:`simulator.extrapolation`).
     """
 
     name: str
@@ -89,8 +97,11 @@ class Hardware:
     calibrated: bool = False
     calibrated_model: str | None = None
     calibration: str | None = None
+    feature_ranges: Mapping[str, FeatureRange] | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "feature_ranges",
+                           parse_ranges(self.feature_ranges, f"hardware {self.name!r}"))
         if self.peak_tflops <= 0 or self.bandwidth_tbps <= 0:
             raise ValueError(f"hardware {self.name!r}: peak_tflops and bandwidth_tbps must be > 0")
         if self.tensor_parallel < 1:

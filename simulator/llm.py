@@ -22,9 +22,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from engine.config import available, engine_config, load_group_option
 from engine.llm import LLM
+from engine.outputs import RequestOutput
 from engine.tokenizer import load_tokenizer
 from simulator import model_shapes
 from simulator.cost_model import CostModel
+from simulator.extrapolation import ExtrapolationCount, ExtrapolationLimits
 from simulator.hardware import Hardware
 from simulator.runner import CostModelRunner, StandInSampler, VirtualClock
 
@@ -70,6 +72,7 @@ class SimulatedLLM(LLM):
         seed: int = 0,
         memory_utilization: float = 0.9,
         mean_output_tokens: float | None = None,
+        strict: bool = False,
     ) -> None:
         cfg = engine_config(
             model, cache, scheduler, "torch_sdpa", "cpu", "float32", "random", seed,
@@ -78,7 +81,8 @@ class SimulatedLLM(LLM):
                                "chunked_prefill": chunked_prefill},
         )
         self.build_simulated(cfg, instantiate(load_group_option("hardware", hardware, {})),
-                             None if capacity_tokens is not None else "auto", memory_utilization, mean_output_tokens)
+                             None if capacity_tokens is not None else "auto", memory_utilization, mean_output_tokens,
+                             ExtrapolationLimits(strict=strict))
 
     @classmethod
     def from_config(  # type: ignore[override]
@@ -94,16 +98,22 @@ class SimulatedLLM(LLM):
             memory_utilization: share of device memory for weights + KV (vLLM's default 0.9).
             mean_output_tokens: ``None`` (outputs never hit EOS) or the mean of a geometric
                 output-length distribution for requests without ``ignore_eos``.
+
+        ``cfg.simulator`` (conf/config.yaml: ``strict``, ``warn_share``, ``warn_ratio``) says when
+        a run extrapolates too far beyond the calibration (:mod:`simulator.extrapolation`).
         """
         if cfg.get("hardware") is None:
             raise ValueError(f"engine=simulated needs hardware=<name>; known: {', '.join(available('hardware'))}")
+        limits = ExtrapolationLimits(**OmegaConf.to_container(cfg.simulator, resolve=True)) \
+            if cfg.get("simulator") is not None else ExtrapolationLimits()
         llm = cls.__new__(cls)
-        llm.build_simulated(cfg, instantiate(cfg.hardware), kv_capacity, memory_utilization, mean_output_tokens)
+        llm.build_simulated(cfg, instantiate(cfg.hardware), kv_capacity, memory_utilization, mean_output_tokens,
+                            limits)
         return llm
 
     def build_simulated(
         self, cfg: DictConfig, hardware: Hardware, kv_capacity: int | str | None, memory_utilization: float,
-        mean_output_tokens: float | None,
+        mean_output_tokens: float | None, limits: ExtrapolationLimits,
     ) -> None:
         hf_config, checkpoint = model_shapes.hf_config_of(cfg.model)
         self.model_config = model_shapes.model_config_for_costs(hf_config)
@@ -121,7 +131,9 @@ class SimulatedLLM(LLM):
         self.config = cfg
         self.build_scheduling(cfg, allocate_kv=False)
         self.virtual_clock = VirtualClock()
-        self.runner = CostModelRunner(CostModel(hardware, self.model_config), self.virtual_clock, self.cache.block_size)
+        self.extrapolation = ExtrapolationCount.for_hardware(hardware, limits)
+        self.runner = CostModelRunner(CostModel(hardware, self.model_config), self.virtual_clock, self.cache.block_size,
+                                      self.extrapolation)
         self.sampler = StandInSampler(self.model_config.vocab_size, self.model_config.eos_token_ids, int(cfg.seed),
                                       mean_output_tokens)
         self.timing_label = hardware.timing_label
@@ -136,6 +148,12 @@ class SimulatedLLM(LLM):
             return kv_capacity
         raise ValueError(f"kv_capacity must be 'auto', null or a positive number of tokens, got {kv_capacity!r}")
 
+    def step(self) -> list[RequestOutput]:
+        """``LLM.step``, then ``simulator.strict``'s refusal if the step lay too far outside the calibration."""
+        outputs = super().step()
+        self.extrapolation.raise_refusal()
+        return outputs
+
     # -- the virtual clock ---------------------------------------------------------------------
     def clock(self) -> float:  # type: ignore[override]
         """Virtual seconds: advanced by every step's modelled time and by :meth:`advance_clock_to`."""
@@ -146,6 +164,15 @@ class SimulatedLLM(LLM):
         self.virtual_clock.advance_to(time)
 
     def describe(self) -> dict[str, Any]:
-        """What a summary records about the simulation."""
+        """What a summary records about the simulation (after a run: how far it left the calibration)."""
         return {"timing": self.timing_label, "hardware": self.hardware.name,
-                "kv_capacity_tokens": self.cache.stats().capacity_tokens}
+                "kv_capacity_tokens": self.cache.stats().capacity_tokens,
+                "extrapolation": self.extrapolation.report()}
+
+    def start_run(self) -> None:
+        """The start of a measured run: the steps counted so far (warm-up) are forgotten."""
+        self.extrapolation.reset()
+
+    def finish_run(self) -> None:
+        """The end of a measured run: warn if it extrapolated too far; ``simulator.strict``: refuse it."""
+        self.extrapolation.enforce()

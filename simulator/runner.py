@@ -2,8 +2,8 @@
 
 ``engine.LLM.step`` calls ``runner.prepare`` -> ``runner.execute`` -> ``sampler`` and reads
 ``clock()`` around them. Here ``prepare`` keeps only which rows would be sampled and the step's
-shape, ``execute`` asks the cost model how long the step takes and moves the virtual clock by
-that much, and the sampler returns deterministic stand-in tokens. The step's bookkeeping
+shape, ``execute`` counts the shape against the calibration's ranges (:mod:`simulator.extrapolation`),
+asks the cost model how long the step takes and moves the virtual clock by that much, and the sampler returns deterministic stand-in tokens. The step's bookkeeping
 (computed tokens, prefix publishing, retirement, the step record) stays the engine's own.
 """
 from __future__ import annotations
@@ -17,6 +17,7 @@ from engine.interfaces.scheduler import ScheduledSequence
 from engine.sequence import Sequence
 from engine.step_shape import MIN_DECODE_RUN, StepShape
 from simulator.cost_model import CostModel
+from simulator.extrapolation import ExtrapolationCount
 
 
 class VirtualClock:
@@ -44,11 +45,13 @@ class SimulatedStep:
 
 
 class CostModelRunner:
-    """Prices a step instead of running it."""
+    """Prices a step instead of running it, counting the steps outside the calibration's ranges."""
 
-    def __init__(self, cost_model: CostModel, clock: VirtualClock, block_size: int) -> None:
+    def __init__(self, cost_model: CostModel, clock: VirtualClock, block_size: int,
+                 extrapolation: ExtrapolationCount | None = None) -> None:
         self.cost_model = cost_model
         self.clock = clock
+        self.extrapolation = extrapolation or ExtrapolationCount.for_hardware(cost_model.hardware)
         self.block_size = block_size  # the cache's (shared KV blocks)
         self.min_decode_run = MIN_DECODE_RUN  # the real runner's split of mixed steps (padded attention pairs)
 
@@ -60,6 +63,7 @@ class CostModelRunner:
         return SimulatedStep(sampled=sampled, shape=StepShape.of(scheduled, self.min_decode_run, self.block_size))
 
     def execute(self, step: SimulatedStep) -> SimulatedStep:
+        self.extrapolation.observe(step.shape)
         self.clock.advance(self.cost_model.step_time(step.shape))
         return step  # stands in for the logits: the sampler needs nothing else
 

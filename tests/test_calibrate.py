@@ -88,6 +88,24 @@ def test_fit_round_trip_writes_a_usable_hardware_file(tmp_path):
     assert main([str(run), "--name", "fitted", "--out-dir", str(tmp_path / "hw")]) == 2  # exists: no silent overwrite
 
 
+def test_the_hardware_file_records_the_ranges_the_kept_steps_covered(tmp_path):
+    """feature_ranges in the written file are the min / max of each feature over the run's steps,
+    and loading the file reads them back as the same numbers."""
+    from experiments.calibration.calibrate import step_shapes
+    from simulator.feature_ranges import FEATURES, step_features
+
+    run = fake_run(tmp_path / "run", 120)
+    assert main([str(run), "--name", "fitted", "--out-dir", str(tmp_path / "hw")]) == 0
+    hardware = instantiate(OmegaConf.load(tmp_path / "hw" / "fitted.yaml"))
+    features = [step_features(shape, "causal") for shape in step_shapes(pd.read_csv(run / "steps.csv"))]
+    assert set(hardware.feature_ranges) == set(FEATURES)
+    for name, covered in hardware.feature_ranges.items():
+        values = [f[name] for f in features]
+        assert covered.low == pytest.approx(min(values), rel=1e-5)
+        assert covered.high == pytest.approx(max(values), rel=1e-5)
+    assert hardware.feature_ranges["batch_rows"].high > hardware.feature_ranges["batch_rows"].low  # not a constant
+
+
 @pytest.mark.parametrize("case", ["too_few_steps", "uncorrelated", "noisy", "not_a_run", "peer_steps", "auto_unknown"])
 def test_refuses_and_writes_nothing(tmp_path, case, capsys):
     if case == "too_few_steps":

@@ -1,6 +1,11 @@
 """Fit the simulator's cost model to real runs: ``conf/hardware/<NAME>.yaml`` from ``steps.csv``.
 
+    python -m experiments.calibration.calibrate --suite --name cpu-1thread     # the suite's runs, then the fit
     python -m experiments.calibration.calibrate results/runs/<time> [more run dirs] --name cpu-1thread
+
+``--suite`` runs the fixed plan ``conf/calibration/suite.yaml`` with the real engine first
+(:mod:`experiments.calibration.suite`: short runs spanning every term of the cost model, a few
+minutes on this project's 2-core machine) and fits on its runs; that is the way to calibrate.
 
 Each run folder holds the resolved ``config.yaml`` (which model, which dtype) and ``steps.csv``
 (one row per engine step: its shape and measured duration). The fit is non-negative least
@@ -9,6 +14,8 @@ and the result is written as a hardware file that ``engine=simulated hardware=<N
 once. Too few steps, or a fit that explains too little (R^2 under ``--min-r2``), is reported and
 nothing is written. Steps slowed by other processes on a shared machine (over 1.5x the fit) are
 set aside and counted; if more than a quarter are, nothing is written. All runs must be of one model: the fixed step overhead holds its weight read.
+The file records, per cost-model feature, the range the kept steps covered (``feature_ranges``:
+:mod:`simulator.feature_ranges`); simulated runs count their steps outside it.
 
 The attention term counts the query-key pairs the run's attention backend computes (its
 ``attention_pairs``: the padded rectangle for the gather backends, causal pairs for fused
@@ -36,8 +43,10 @@ from omegaconf import OmegaConf
 from engine.config import CONF_DIR
 from engine.step_shape import StepShape
 from experiments.calibration.replay import recovered_shapes
+from experiments.calibration.suite import SUITE_FILE, load_plan, run_plan, suite_dir
 from experiments.results.safe_files import write_text_file
 from simulator.cost_model import CostModel, Fit, fit_coefficients
+from simulator.feature_ranges import covered_ranges, ranges_yaml
 from simulator.hardware import Hardware
 from simulator.model_shapes import hf_config_of, model_config_for_costs
 
@@ -150,13 +159,14 @@ def run_engine_record(run_dir: Path, cfg: dict, key: str, override: int | None) 
 
 def calibrate(run_dirs: Sequence[Path], peak_tflops: float, bandwidth_tbps: float,
               overrides: dict[str, int | None] | None = None) -> tuple[Fit, dict, dict]:
-    """Fit on all steps of ``run_dirs``; returns the fit, the model spec and what was fitted on.
+    """Fit on all steps of ``run_dirs``; returns the fit, the model spec and what was fitted on
+    (with ``feature_ranges``: the range of every cost-model feature over the steps the fit kept).
 
     ``overrides``: by :data:`ENGINE_RECORDS` key, how the linears ran (the few-row GEMM's limit and
     register tile, the oneDNN row buckets); missing or ``None`` takes what each run recorded (all
     runs must agree), a number overrides it (runs made before it was recorded)."""
     overrides = overrides or {}
-    configs, pairs, limits, terms, seconds = [], [], [], [], []
+    configs, pairs, limits, shapes, terms, seconds = [], [], [], [], [], []
     for run_dir in run_dirs:
         cfg, steps = load_run(Path(run_dir))
         configs.append(cfg)
@@ -175,7 +185,9 @@ def calibrate(run_dirs: Sequence[Path], peak_tflops: float, bandwidth_tbps: floa
         units = Hardware(name="units", peak_tflops=peak_tflops, bandwidth_tbps=bandwidth_tbps,
                          dtype_bytes=DTYPE_BYTES.get(cfg.get("dtype"), 4), attention_pairs=pairs[-1], **limits[-1])
         model = CostModel(units, model_config_for_costs(hf_config_of(cfg["model"])[0]))
-        terms += [model.terms(shape) for shape in step_shapes(steps)]
+        run_shapes = step_shapes(steps)
+        shapes += run_shapes
+        terms += [model.terms(shape) for shape in run_shapes]
         seconds += (steps.duration_s + between_steps_s(steps)).tolist()
     first = configs[0]
     attention = first["_backend"]["attention_backend"] or (first.get("attention") or {}).get("_target_")
@@ -185,18 +197,21 @@ def calibrate(run_dirs: Sequence[Path], peak_tflops: float, bandwidth_tbps: floa
              "attention": attention, "attention_pairs": pairs[0],
              **limits[0], "shared_kv_seen": shared_kv_seen,
              "engine": first.get("engine")}
-    return fit_coefficients(terms, seconds, DISTURBED_RATIO), first["model"], about
+    fit = fit_coefficients(terms, seconds, DISTURBED_RATIO)
+    about["feature_ranges"] = covered_ranges([s for s, kept in zip(shapes, fit.kept) if kept], pairs[0])
+    return fit, first["model"], about
 
 
 def hardware_yaml(name: str, fit: Fit, about: dict, run_dirs: Sequence[Path], peak_tflops: float,
-                  bandwidth_tbps: float, when: str, note: str = "") -> str:
+                  bandwidth_tbps: float, when: str, note: str = "", suite: bool = False) -> str:
     c = fit.coefficients
     runs = ", ".join(str(p) for p in run_dirs)
     engine_options = {k: v for k, v in (about["engine"] or {}).items() if not k.startswith("_")}
     shared_kv = (f"{c['shared_kv_time_scale']:.6g}   # fitted: x (bytes of KV blocks another sequence of the step reads "
                  "too / bandwidth_tbps)" if about["shared_kv_seen"] else
                  "null   # not fitted: no calibration step shared a KV block (null: priced as kv_time_scale)")
-    how = (f"python -m experiments.calibration.calibrate {' '.join(str(p) for p in run_dirs)} --name {name} ({when}); "
+    inputs = "--suite" if suite else " ".join(str(p) for p in run_dirs)
+    how = (f"python -m experiments.calibration.calibrate {inputs} --name {name} ({when}); "
            f"{fit.num_kept} of {fit.num_steps} steps kept (the rest disturbed, > {DISTURBED_RATIO}x the fit), "
            f"R^2 {fit.r_squared:.3f}, median |relative error| {fit.median_abs_rel_error:.1%}"
            + (f"; {note}" if note else ""))
@@ -227,12 +242,16 @@ attention_pairs: {about['attention_pairs']}     # pairs the calibrated attention
 calibrated: true            # fitted on a real machine (summaries say "simulated, calibrated")
 calibrated_model: {about['model']}    # the model the fit is valid for
 calibration: "{how}"        # how this file was made
+{ranges_yaml(about['feature_ranges'])}
 """
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("run_dirs", nargs="+", type=Path, help="run folders with config.yaml and steps.csv")
+    parser.add_argument("run_dirs", nargs="*", type=Path, help="run folders with config.yaml and steps.csv")
+    parser.add_argument("--suite", action="store_true",
+                        help=f"run the calibration suite ({SUITE_FILE.relative_to(SUITE_FILE.parents[2])}) with the "
+                             "real engine first and fit on its runs (instead of run_dirs)")
     parser.add_argument("--name", required=True, help="writes conf/hardware/<name>.yaml")
     parser.add_argument("--peak-tflops", type=float, default=0.15, help="units of the FLOP terms")
     parser.add_argument("--bandwidth-tbps", type=float, default=0.025, help="units of the byte terms")
@@ -251,11 +270,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--overwrite", action="store_true", help="replace an existing file of that name")
     parser.add_argument("--note", default="", help="how the runs were made, kept in the file (e.g. OMP_NUM_THREADS=1)")
     args = parser.parse_args(argv)
+    if args.suite == bool(args.run_dirs):
+        parser.error("give run folders or --suite, not both or neither")
     target = args.out_dir / f"{args.name}.yaml"
     if target.exists() and not args.overwrite:
         print(f"{target} exists; pick another --name or pass --overwrite", file=sys.stderr)
         return 2
     try:
+        if args.suite:
+            plan = load_plan()
+            print(f"calibration suite: {len(plan.runs)} real runs of {plan.model} into {suite_dir(args.name)}")
+            args.run_dirs = run_plan(plan, suite_dir(args.name))
+            args.note = "; ".join(filter(None, [f"the calibration suite ({SUITE_FILE.name}), "
+                                                f"{' '.join(f'{k}={v}' for k, v in plan.env.items())}", args.note]))
         fit, _, about = calibrate(args.run_dirs, args.peak_tflops, args.bandwidth_tbps, {
             "skinny_gemm_max_rows": args.small_batch_rows, "skinny_gemm_tile_rows": args.small_batch_tile_rows,
             "onednn_row_buckets": args.large_batch_row_buckets})
@@ -282,7 +309,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     # crash-safe; replaces an existing file only with --overwrite (checked above)
     write_text_file(hardware_yaml(args.name, fit, about, args.run_dirs, args.peak_tflops, args.bandwidth_tbps, when,
-                                  args.note.replace('"', "'")),
+                                  args.note.replace('"', "'"), args.suite),
                     target, replace=args.overwrite)
     print(f"wrote {target}: use it as hardware={args.name}")
     return 0

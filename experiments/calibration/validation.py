@@ -15,11 +15,18 @@ case and writes, into the sweep folder:
 * ``validation.md``: that table plus the median |relative error| per metric against the targets;
 * ``validation.png``: relative error per metric and configuration.
 
+``validation.md`` also says, per case, how far the simulated run lay outside the calibration's
+ranges (``simulation.extrapolation`` of its summary: :mod:`simulator.extrapolation`).
+
 ``--real-from`` re-simulates a finished sweep's real runs instead of running the engine again:
 each real job is copied unchanged into ``OUT/real/<job>``, and the simulator runs the same
 configuration (the job's own Hydra overrides, with ``engine=simulated hardware=NAME``) into
 ``OUT/simulated/<job>``; the comparison is then written into ``OUT``. A change to the cost model
-or a new calibration is checked against the very same real measurements, in seconds.
+or a new calibration is checked against the very same real measurements, in seconds. Given several
+``--hardware`` names, each is simulated into ``OUT/<name>/`` and ``OUT/calibrations.md`` sets their
+median errors side by side, with how many cases each flagged as extrapolating: what a calibration
+of one's own buys against the calibration suite, on the same real runs. The sweep's callback does
+the same for its ``compare_hardware`` (``+experiment=simulator_validation_regimes``).
 """
 from __future__ import annotations
 
@@ -38,6 +45,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import yaml  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
+from hydra.core.global_hydra import GlobalHydra  # noqa: E402
 from hydra.experimental.callback import Callback  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
@@ -126,14 +134,48 @@ def plot(table: pd.DataFrame, path: Path) -> Path:
     return save_figure(fig, path)
 
 
+def worst_feature(features: dict[str, dict]) -> str | None:
+    """The feature furthest beyond its range and by how much (``None``: every step inside)."""
+    beyond = {name: math.inf if f["max_ratio"] is None else f["max_ratio"]
+              for name, f in features.items() if f["steps_outside"]}
+    if not beyond:
+        return None
+    name = max(beyond, key=beyond.get)
+    return f"{name} {'never seen' if math.isinf(beyond[name]) else f'{beyond[name]:.3g}x'}"
+
+
+def extrapolation(root: Path, frame: pd.DataFrame) -> pd.DataFrame:
+    """Per case, how far its simulated run(s) lay outside the calibration's ranges (the first
+    simulated job's ``simulation.extrapolation``; the simulator is deterministic)."""
+    rows = []
+    for case, jobs in frame.groupby(CASE_COLUMN, sort=False):
+        simulated = jobs[jobs.engine == "simulated"] if "engine" in jobs else jobs.iloc[:0]
+        report = None
+        for job in simulated.job:
+            summary_file = root / job / "summary.json"
+            if summary_file.is_file():
+                report = (read_summary(summary_file).get("simulation") or {}).get("extrapolation")
+                break
+        if not report:
+            rows.append({"configuration": case, "status": "not recorded", "share_outside": None, "worst": None})
+            continue
+        rows.append({"configuration": case, "status": report["status"], "share_outside": report.get("share_outside"),
+                     "worst": worst_feature(report.get("features") or {})})
+    return pd.DataFrame(rows)
+
+
 def write_validation(root: Path) -> list[Path]:
-    table = comparison(collect(root))
+    frame = collect(root)
+    table = comparison(frame)
     summary = medians(table)
+    outside = extrapolation(root, frame)
     csv = write_csv(table.drop(columns="note"), root / "validation.csv")
     md = write_text_file("\n".join([
         f"# Simulator validation: {root}", "",
         "Median |relative error| over the held-out configurations:", "",
-        markdown_table(summary, list(summary.columns)), "", "Every row:", "",
+        markdown_table(summary, list(summary.columns)), "",
+        "Simulated steps outside the calibration's ranges (docs/simulator.md):", "",
+        markdown_table(outside, list(outside.columns)), "", "Every row:", "",
         markdown_table(table, ["configuration", "metric", "real", "simulated", "relative_error", "real_spread", "note"]), "",
     ]), root / "validation.md")
     return [csv, md, plot(table, root / "validation.png")]
@@ -169,12 +211,68 @@ def resimulate(real_from: Path, out: Path, hardware: str) -> list[Path]:
     return write_validation(out)
 
 
+#: the metrics calibrations.md sets side by side
+HEADLINE = ("output tok/s", "TPOT p50", "TTFT p50", "TTFT p99")
+
+
+def compare_calibrations(roots: dict[str, Path], out: Path) -> Path:
+    """``out/calibrations.md``: per calibration (name -> a folder with its real and simulated jobs),
+    the median |relative error| of the headline metrics and the cases it flagged as extrapolating,
+    then every case's errors and extrapolation under each calibration."""
+    totals, cases = [], []
+    for name, root in roots.items():
+        frame = collect(root)
+        table, outside = comparison(frame), extrapolation(root, frame).set_index("configuration")
+        errors = medians(table).set_index("metric").median_abs_relative_error
+        totals.append({"calibration": name, **{label: errors[label] for label in HEADLINE},
+                       "cases extrapolating": f"{int((outside.status == 'extrapolates').sum())} of {len(outside)}"})
+        for case, rows in table.groupby("configuration", sort=False):
+            by_metric = rows.set_index("metric").relative_error
+            cases.append({"configuration": case, "calibration": name,
+                          **{label: by_metric.get(label) for label in HEADLINE},
+                          "extrapolation": outside.status.get(case), "share outside": outside.share_outside.get(case),
+                          "worst feature": outside.worst.get(case)})
+    totals_frame, cases_frame = pd.DataFrame(totals), pd.DataFrame(cases).sort_values(["configuration", "calibration"],
+                                                                                      kind="stable")
+    return write_text_file("\n".join([
+        f"# Simulator validation by calibration: {', '.join(roots)}", "",
+        "Median |relative error| over the same held-out cases and real runs; cases whose simulated run "
+        "left the calibration's ranges too far (simulator/extrapolation.py):", "",
+        markdown_table(totals_frame, list(totals_frame.columns)), "",
+        "Relative error (simulated - real) / real per case:", "",
+        markdown_table(cases_frame, list(cases_frame.columns)), "",
+    ]), out / "calibrations.md")
+
+
+def sweep_hardware(root: Path) -> str:
+    """The hardware the sweep's simulated jobs ran on."""
+    frame = collect(root)
+    names = frame.loc[frame.engine == "simulated", "hardware"].dropna().unique() if "hardware" in frame else []
+    if len(names) != 1:
+        raise ValueError(f"{root}: expected the simulated jobs to run on one hardware, got {list(names)}")
+    return str(names[0])
+
+
 class ValidationCallback(Callback):
-    """Hydra callback: the comparison when the validation sweep ends."""
+    """Hydra callback: the comparison when the validation sweep ends; with ``compare_hardware``,
+    the sweep's real runs re-simulated on each of those calibrations (``<sweep>-on-<name>/``) and
+    ``calibrations.md`` comparing them with the sweep's own."""
+
+    def __init__(self, compare_hardware: Sequence[str] = ()) -> None:
+        self.compare_hardware = list(compare_hardware)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        written = write_validation(Path(config.hydra.sweep.dir))
+        root = Path(config.hydra.sweep.dir)
+        written = write_validation(root)
         print(written[1].read_text())
+        if self.compare_hardware:
+            GlobalHydra.instance().clear()  # the sweep is over: resimulate composes each job's config itself
+            roots = {sweep_hardware(root): root}
+            for name in self.compare_hardware:
+                roots[name] = root.with_name(f"{root.name}-on-{name}")
+                resimulate(root, roots[name], name)
+            written.append(compare_calibrations(roots, root))
+            print(written[-1].read_text())
         print("\n".join(str(p) for p in written))
 
 
@@ -183,15 +281,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("sweep_dir", type=Path, help="a finished +experiment=simulator_validation sweep (with "
                         "--real-from: a new folder to write the re-simulation into)")
     parser.add_argument("--real-from", type=Path, help="re-simulate this finished sweep's real jobs into sweep_dir")
-    parser.add_argument("--hardware", help="with --real-from: the calibration to simulate on (conf/hardware/<name>)")
+    parser.add_argument("--hardware", nargs="+", help="with --real-from: the calibration(s) to simulate on "
+                        "(conf/hardware/<name>); several: each into sweep_dir/<name>/, compared in calibrations.md")
     args = parser.parse_args(argv)
     if args.real_from is None:
-        written = write_validation(args.sweep_dir)
+        report = write_validation(args.sweep_dir)[1]
     elif args.hardware is None or args.sweep_dir.exists():
         parser.error("--real-from needs --hardware and a sweep_dir that does not exist yet")
+    elif len(args.hardware) == 1:
+        report = resimulate(args.real_from, args.sweep_dir, args.hardware[0])[1]
     else:
-        written = resimulate(args.real_from, args.sweep_dir, args.hardware)
-    print(written[1].read_text())
+        roots = {name: args.sweep_dir / name for name in args.hardware}
+        for name, root in roots.items():
+            resimulate(args.real_from, root, name)
+        report = compare_calibrations(roots, args.sweep_dir)
+    print(report.read_text())
     return 0
 
 

@@ -91,7 +91,12 @@ def _measure(cfg: DictConfig, out_dir: Path, summary: dict[str, Any]) -> list[Pa
         else:
             warm_up(engine, warmup)
             summary["setup_s"] = time.perf_counter() - setup_start
+            if hasattr(engine, "start_run"):  # the simulator counts the measured run's steps, not the warm-up's
+                engine.start_run()
             result = drive(engine, requests, cfg.driver.max_concurrency, progress=cfg.driver.progress)
+        if hasattr(engine, "describe"):  # the simulator, after the run: how far it left its calibration
+            summary["simulation"] = engine.describe()
+            engine.finish_run()  # warns if that is too far; simulator.strict: refuses the run
     finally:
         close = getattr(engine, "close", None)
         if close is not None:

@@ -21,6 +21,7 @@ from experiments.harness.metrics import (
 )
 from experiments.harness.records import RequestRecord
 from experiments.results.safe_files import write_file, write_text_file
+from simulator.extrapolation import extrapolation_markdown
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +125,7 @@ def summary_markdown(summary: dict[str, Any]) -> str:
     parts = [f"# servelab run: {title}", ""]
     if summary.get("simulation"):
         parts += [f"**Simulated**: times are {summary['simulation']['timing']}.", ""]
+        parts += extrapolation_markdown(summary["simulation"].get("extrapolation"))
     if summary.get("status") != "ok":
         parts += [f"**FAILED**: `{summary.get('error')}`", ""]
     parts += [summary_table(summary), ""]
