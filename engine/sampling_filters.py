@@ -20,7 +20,7 @@ and says, per row, whether that was enough:
     (candidates are re-ranked by (probability desc, id asc), as the stable sort ranks them); the
     ranks that top-k counts are the same, and so are the masses top-p measures (the mass left
     after top-k is the sum of the first ``k`` probabilities, which are the same values in both
-    rankings — ``n > k`` is required — or, with no top-k, the sum over the whole row). If the
+    rankings as long as ``n >= k``, or, with no top-k, the sum over the whole row). If the
     head reaches ``t`` (top-p needed more mass than the candidates hold, or a tie straddles the
     candidates' edge), the row is not exact and the caller ranks it in full.
 
@@ -58,7 +58,8 @@ def top_k_top_p_candidates(probs: torch.Tensor, top_k: torch.Tensor, top_p: torc
     """(ids, weights, exact): the ``size`` most likely tokens ranked, the head kept among them,
     and per row whether that head is the one ``top_k_top_p_sorted`` keeps (see the module docstring).
 
-    ``size`` must exceed every row's ``top_k`` that is below the vocabulary size.
+    ``size`` must be at least every row's ``top_k`` that is below the vocabulary size (one more
+    spares a top-k-only row the fallback: its head then ends above the smallest candidate).
     """
     vocab_size = probs.shape[-1]
     size = min(size, vocab_size)

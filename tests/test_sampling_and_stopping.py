@@ -137,6 +137,7 @@ def stress_rows() -> list[tuple[str, torch.Tensor, SamplingParams, bool]]:
         ("min-p leaves fewer tokens than candidates", peaked, SamplingParams(temperature=1.0, min_p=0.05, top_p=0.95), True),
         ("flat, top-k 50 then top-p 0.5", flat, SamplingParams(temperature=1.0, top_k=50, top_p=0.5), True),
         ("flat, top-k 63: one short of the candidates", flat, SamplingParams(temperature=1.0, top_k=63), True),
+        ("flat, top-k 100 (more than the candidates), top-p 0.5", flat, SamplingParams(temperature=1.0, top_k=100, top_p=0.5), True),
     ]
 
 
@@ -147,23 +148,21 @@ def full_sort_head(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[
 
 
 def test_candidate_head_is_the_full_sort_head_wherever_it_claims_to_be():
-    names, rows, params, expected_exact = zip(*stress_rows())
-    logits, params = torch.stack(rows), list(params)
-    filters = RowFilters.of(params, STRESS_VOCAB, logits.device)
-    probs = temperature_min_p(logits, filters.temperature, filters.min_p)
-    size = max(STRESS_CANDIDATES, filters.max_top_k + 1)
-    ids, weights, exact = top_k_top_p_candidates(probs, filters.top_k, filters.top_p, size)
-    assert exact.tolist() == list(expected_exact), names
-    sorted_ids, sorted_weights = top_k_top_p_sorted(probs, filters.top_k, filters.top_p)
-    smallest_candidate = probs.topk(size, dim=-1).values[:, -1]
-    for row, name in enumerate(names):
-        kept = sorted_weights[row] > 0
-        if exact[row]:
-            assert torch.equal(ids[row][weights[row] > 0], sorted_ids[row][kept]), name
-            assert torch.equal(weights[row][weights[row] > 0], sorted_weights[row][kept]), name
+    for name, logits, params, expected_exact in stress_rows():
+        filters = RowFilters.of([params], STRESS_VOCAB, logits.device)
+        probs = temperature_min_p(logits[None], filters.temperature, filters.min_p)
+        size = max(STRESS_CANDIDATES, filters.max_top_k + 1)
+        [ids], [weights], [exact] = top_k_top_p_candidates(probs, filters.top_k, filters.top_p, size)
+        [sorted_ids], [sorted_weights] = top_k_top_p_sorted(probs, filters.top_k, filters.top_p)
+        kept = sorted_weights > 0
+        assert bool(exact) == expected_exact, name
+        if exact:
+            assert torch.equal(ids[weights > 0], sorted_ids[kept]), name
+            assert torch.equal(weights[weights > 0], sorted_weights[kept]), name
         else:  # the fallback is needed: the full head reaches the candidates' smallest probability
-            assert sorted_weights[row][kept][-1] <= smallest_candidate[row], name
-    assert sorted_ids[2][sorted_weights[2] > 0].tolist() == [900, 901, 902, 7, 50]  # ties: lower id first
+            assert sorted_weights[kept][-1] <= probs[0].topk(size).values[-1], name
+        if name.startswith("tie across the top-k"):
+            assert sorted_ids[kept].tolist() == [900, 901, 902, 7, 50]  # ties: lower id first
 
 
 def test_sampled_tokens_are_draws_from_the_full_sort_with_the_same_uniforms():
