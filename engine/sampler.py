@@ -1,18 +1,57 @@
 """Next-token selection: greedy, temperature, min-p, top-k, top-p, and per-request seeds.
 
-Sampling uses the exponential race (``argmax(p / E)`` with ``E ~ Exp(1)`` i.i.d. per vocabulary
-entry), which draws exactly from ``p``. Its randomness is one noise vector per row, so a
-request with a seed gets its own generator, seeded by ``(seed, output index)``: the token it
-draws depends only on its own logits — not on what else is in the batch, on the strategies,
-or on whether it was preempted and recomputed.
+A step's rows split three ways, and each pays only for what it uses:
+
+* **greedy** rows (temperature 0): ``argmax`` of the logits;
+* **plain** rows (temperature, maybe min-p; no top-k / top-p): one softmax over the vocabulary,
+  min-p as a mask, and a draw in vocabulary order — no ranking at all;
+* **filtered** rows (top-k and / or top-p): the head those filters keep, ranked among the
+  ``candidates`` most likely tokens (``torch.topk``), and a full sort only for the rows whose head
+  the candidates do not provably hold (``engine.sampling_filters`` has the proof).
+
+A draw is inverse-CDF sampling: one uniform ``u`` per sampled row (float64, on the logits'
+device), and the token is the first whose cumulative weight reaches ``(1 - u)`` times the total
+(float64 sums of the float32 weights). Zero-weight tokens can never be reached, so the draw is
+exactly from the filtered distribution, and it needs one random number per row instead of one
+per vocabulary entry. A request with a seed draws its ``u`` from its own generator, seeded by
+``(seed, output index)``: the token it samples depends only on its own logits — not on what else
+is in the batch, on the strategies, or on whether it was preempted and recomputed. Whether a
+filtered row ranks candidates or the whole vocabulary depends on its own logits too, and both
+rank the same head in the same order, so the same ``u`` picks the same token either way.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from engine.sampling_filters import temperature_min_p, top_k_top_p_candidates, top_k_top_p_sorted
+from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 
 _SEED_STRIDE = 1_000_003
+
+
+@dataclass(frozen=True)
+class RowFilters:
+    """One group of rows' filter settings as tensors on the logits' device (see ``engine.sampling_filters``)."""
+
+    temperature: torch.Tensor
+    min_p: torch.Tensor | None  # None when no row has one
+    top_k: torch.Tensor  # the vocabulary size where a row has none
+    top_p: torch.Tensor
+    max_top_k: int  # the largest top_k below the vocabulary size (0 if none)
+
+    @classmethod
+    def of(cls, params: list[SamplingParams], vocab_size: int, device: torch.device) -> RowFilters:
+        top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+        return cls(
+            temperature=torch.tensor([p.temperature for p in params], device=device),
+            min_p=torch.tensor([p.min_p for p in params], device=device) if any(p.min_p > 0 for p in params) else None,
+            top_k=torch.tensor(top_k, device=device),
+            top_p=torch.tensor([p.top_p for p in params], device=device),
+            max_top_k=max((k for k in top_k if k < vocab_size), default=0),
+        )
 
 
 class Sampler:
@@ -20,55 +59,79 @@ class Sampler:
 
     Args:
         seed: seeds the generator shared by requests without their own seed.
+        candidates: how many of the most likely tokens top-k / top-p rows rank first (at least
+            one more than the largest top_k is taken); rows whose head needs more fall back to
+            a full sort. Any value gives the same tokens; it only moves the cost.
     """
 
-    def __init__(self, seed: int = 0) -> None:
-        self.generator = torch.Generator().manual_seed(seed)
+    def __init__(self, seed: int = 0, candidates: int = 256) -> None:
+        if candidates < 1:
+            raise ValueError(f"candidates must be >= 1, got {candidates}")
+        self.seed = seed
+        self.candidates = candidates
+        self.generators: dict[torch.device, torch.Generator] = {}  # the shared one, per device
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        greedy_tokens = logits.argmax(dim=-1)
         params = [seq.sampling_params for seq in seqs]
         if all(p.greedy for p in params):
-            return greedy_tokens.tolist()
-        probs = self.filtered_probs(logits, params)
-        noise = self.exponential_noise(probs.shape, seqs)
-        sampled_tokens = (probs / noise.to(probs.device)).argmax(dim=-1)
-        is_greedy = torch.tensor([p.greedy for p in params], device=logits.device)
-        return torch.where(is_greedy, greedy_tokens, sampled_tokens).tolist()
+            return logits.argmax(dim=-1).tolist()
+        device = logits.device
+        tokens = torch.empty(len(seqs), dtype=torch.long, device=device)
+        greedy = [row for row, p in enumerate(params) if p.greedy]
+        sampled = [row for row, p in enumerate(params) if not p.greedy]
+        if greedy:
+            rows = torch.tensor(greedy, device=device)
+            tokens[rows] = logits[rows].argmax(dim=-1)
+        u = self.uniforms([seqs[row] for row in sampled], device)
+        position = {row: i for i, row in enumerate(sampled)}
+        plain = [row for row in sampled if params[row].top_k <= 0 and params[row].top_p >= 1.0]
+        filtered = [row for row in sampled if params[row].top_k > 0 or params[row].top_p < 1.0]
+        for group, pick in ((plain, self.pick_plain), (filtered, self.pick_filtered)):
+            if group:
+                rows = torch.tensor(group, device=device)
+                chosen = logits if len(group) == len(seqs) else logits[rows]
+                filters = RowFilters.of([params[row] for row in group], logits.shape[-1], device)
+                tokens[rows] = pick(chosen, filters, u[torch.tensor([position[row] for row in group], device=device)])
+        return tokens.tolist()
 
     @staticmethod
-    def filtered_probs(logits: torch.Tensor, params) -> torch.Tensor:
-        """The distribution each row samples from, in vocabulary order (vLLM's order of filters):
+    def pick_plain(logits: torch.Tensor, filters: RowFilters, u: torch.Tensor) -> torch.Tensor:
+        return draw(temperature_min_p(logits, filters.temperature, filters.min_p), u)
 
-        1. temperature: ``p = softmax(logits / T)``;
-        2. min-p: drop tokens with ``p_i < min_p * max(p)``;
-        3. top-k: keep the ``k`` most likely of the rest;
-        4. top-p: renormalise what is left and keep its smallest head whose mass reaches
-           ``top_p`` (the token that crosses it included; the most likely always stays);
-        5. renormalise.
-        """
-        vocab_size = logits.shape[-1]
-        device = logits.device
-        temperatures = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=device)
-        min_p = torch.tensor([p.min_p for p in params], device=device)
-        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params], device=device)
-        top_p = torch.tensor([p.top_p for p in params], device=device)
-        scaled = logits / temperatures[:, None]
-        probs = scaled.softmax(dim=-1)
-        scaled = scaled.masked_fill(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), float("-inf"))
-        sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True)
-        ranks = torch.arange(vocab_size, device=device)
-        sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= top_k[:, None], float("-inf"))
-        sorted_probs = sorted_logits.softmax(dim=-1)
-        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        sorted_logits = sorted_logits.masked_fill(mass_before >= top_p[:, None], float("-inf"))
-        return torch.zeros_like(logits).scatter_(1, sorted_ids, sorted_logits.softmax(dim=-1))
+    def pick_filtered(self, logits: torch.Tensor, filters: RowFilters, u: torch.Tensor) -> torch.Tensor:
+        probs = temperature_min_p(logits, filters.temperature, filters.min_p)
+        size = max(self.candidates, filters.max_top_k + 1)
+        ids, weights, exact = top_k_top_p_candidates(probs, filters.top_k, filters.top_p, size)
+        tokens = ids.gather(-1, draw(weights, u)[:, None]).squeeze(-1)
+        if not bool(exact.all()):
+            rows = (~exact).nonzero().squeeze(-1)
+            ids, weights = top_k_top_p_sorted(probs[rows], filters.top_k[rows], filters.top_p[rows])
+            tokens[rows] = ids.gather(-1, draw(weights, u[rows])[:, None]).squeeze(-1)
+        return tokens
 
-    def exponential_noise(self, shape: torch.Size, seqs: list[Sequence]) -> torch.Tensor:
-        noise = torch.empty(shape).exponential_(generator=self.generator)
+    def uniforms(self, seqs: list[Sequence], device: torch.device) -> torch.Tensor:
+        """One float64 uniform in [0, 1) per row: from the row's own generator where it has a seed."""
+        u = torch.empty(len(seqs), dtype=torch.float64, device=device)
+        shared = [row for row, seq in enumerate(seqs) if seq.sampling_params.seed is None]
+        if shared:
+            if device not in self.generators:
+                self.generators[device] = torch.Generator(device=device).manual_seed(self.seed)
+            u[torch.tensor(shared, device=device)] = torch.rand(
+                len(shared), dtype=torch.float64, device=device, generator=self.generators[device])
         for row, seq in enumerate(seqs):
             seed = seq.sampling_params.seed
             if seed is not None:
-                row_generator = torch.Generator().manual_seed((seed * _SEED_STRIDE + seq.num_output_tokens) % 2**63)
-                noise[row].exponential_(generator=row_generator)
-        return noise
+                generator = torch.Generator(device=device).manual_seed((seed * _SEED_STRIDE + seq.num_output_tokens) % 2**63)
+                u[row] = torch.rand((), dtype=torch.float64, device=device, generator=generator)
+        return u
+
+
+def draw(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row, the position whose cumulative weight first reaches ``(1 - u)`` times the row's total.
+
+    ``1 - u`` is in (0, 1], so the target is in (0, total]: a zero-weight position is never the
+    first to reach it, and the last positive one always does.
+    """
+    cumulative = weights.cumsum(dim=-1, dtype=torch.float64)
+    target = (1.0 - u) * cumulative[:, -1]
+    return torch.searchsorted(cumulative, target[:, None]).squeeze(-1)

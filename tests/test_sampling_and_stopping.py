@@ -5,7 +5,15 @@ Distributions: 40,000 draws from one logits row per case, compared with a chi-sq
 (``scipy.stats.chisquare``, fixed seed) to a float64 reference written here from the definitions
 (temperature, then min-p, top-k, and top-p on what is left, as vLLM orders them). Each case also
 names a plausible *wrong* filter (the top-k off by one, top-p measured before top-k, min-p before
-temperature...) and asserts that the same draws reject it: the test can tell them apart.
+temperature...) and asserts that the same draws reject it: the test can tell them apart. The
+draws run twice: with the default candidate set and with 4 candidates, where some cases rank
+their head among the candidates and others (top-p 0.7 needs more than 4 tokens) fall back to the
+full sort.
+
+Candidates: on distributions built to stress the candidate set (flat rows whose top-p head is
+most of the vocabulary, ties at the top-k and at the candidates' edge, min-p leaving fewer tokens
+than candidates), the head ranked among candidates is the full sort's wherever it claims to be,
+and the sampler's tokens equal draws from the full sort with the same uniforms.
 """
 from __future__ import annotations
 
@@ -18,7 +26,8 @@ import torch
 from scipy.stats import chisquare
 
 from engine import LLM, SamplingParams
-from engine.sampler import Sampler
+from engine.sampler import RowFilters, Sampler, draw
+from engine.sampling_filters import temperature_min_p, top_k_top_p_candidates, top_k_top_p_sorted
 
 LOGITS = np.array([2.0, 1.8, 1.6, 1.4, 1.2, 1.0, 0.8, 0.6, 0.3, 0.0, -0.5, -1.0])
 DRAWS = 40_000
@@ -67,11 +76,11 @@ def normalized(q: np.ndarray) -> np.ndarray:
     return q / q.sum()
 
 
-def draw_counts(params: SamplingParams, seed: int = 1234) -> np.ndarray:
+def draw_counts(params: SamplingParams, candidates: int, seed: int = 1234) -> np.ndarray:
     """Token counts of DRAWS samples of the engine's sampler from LOGITS."""
     logits = torch.tensor(LOGITS, dtype=torch.float32).repeat(DRAWS, 1)
     rows = [SimpleNamespace(sampling_params=params, num_output_tokens=0)] * DRAWS
-    tokens = Sampler(seed)(logits, rows)
+    tokens = Sampler(seed, candidates=candidates)(logits, rows)
     return np.bincount(tokens, minlength=LOGITS.size)
 
 
@@ -97,12 +106,92 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("candidates", [4, 256])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_sampler_matches_reference_distribution(case):
+def test_sampler_matches_reference_distribution(case, candidates):
     params, right, wrong = CASES[case]
-    counts = draw_counts(params)
+    counts = draw_counts(params, candidates)
     assert fit_pvalue(counts, reference(**right)) > 1e-3, f"{case}: draws do not fit the definition"
     assert fit_pvalue(counts, reference(**wrong)) < 1e-6, f"{case}: the test cannot tell the wrong filter apart"
+
+
+STRESS_VOCAB, STRESS_CANDIDATES = 4096, 64
+
+
+def stress_rows() -> list[tuple[str, torch.Tensor, SamplingParams, bool]]:
+    """(name, logits row, params, whether STRESS_CANDIDATES candidates provably hold the head)."""
+    gen = torch.Generator().manual_seed(0)
+    flat = 0.01 * torch.randn(STRESS_VOCAB, generator=gen)
+    peaked = 3.0 * torch.randn(STRESS_VOCAB, generator=gen)
+    tie_at_k = -5.0 + 0.1 * torch.randn(STRESS_VOCAB, generator=gen)
+    tie_at_k[[900, 901, 902]] = torch.tensor([10.0, 9.0, 8.0])
+    tie_at_k[[3000, 7, 2000, 50, 100]] = 7.0  # top_k = 5 keeps two of these five: ids 7 and 50
+    tie_at_edge = -20.0 + 0.1 * torch.randn(STRESS_VOCAB, generator=gen)
+    tie_at_edge[:60] = torch.linspace(2.0, 1.0, 60)
+    tie_at_edge[torch.arange(10) * 400 + 100] = 0.5  # ranks 60-69: across the 64 candidates' edge
+    return [
+        ("flat, top-p head ~90% of the vocabulary", flat, SamplingParams(temperature=1.0, top_p=0.9), False),
+        ("peaked, temperature 0.7, top-p 0.9", peaked, SamplingParams(temperature=0.7, top_p=0.9), True),
+        ("tie across the top-k boundary", tie_at_k, SamplingParams(temperature=1.0, top_k=5), True),
+        ("tie across the candidates' edge, top-p into it", tie_at_edge, SamplingParams(temperature=1.0, top_p=0.999), False),
+        ("min-p leaves fewer tokens than candidates", peaked, SamplingParams(temperature=1.0, min_p=0.05, top_p=0.95), True),
+        ("flat, top-k 50 then top-p 0.5", flat, SamplingParams(temperature=1.0, top_k=50, top_p=0.5), True),
+        ("flat, top-k 63: one short of the candidates", flat, SamplingParams(temperature=1.0, top_k=63), True),
+        ("flat, top-k 100 (more than the candidates), top-p 0.5", flat, SamplingParams(temperature=1.0, top_k=100, top_p=0.5), True),
+    ]
+
+
+def full_sort_head(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
+    filters = RowFilters.of(params, logits.shape[-1], logits.device)
+    probs = temperature_min_p(logits, filters.temperature, filters.min_p)
+    return top_k_top_p_sorted(probs, filters.top_k, filters.top_p)
+
+
+def test_candidate_head_is_the_full_sort_head_wherever_it_claims_to_be():
+    for name, logits, params, expected_exact in stress_rows():
+        filters = RowFilters.of([params], STRESS_VOCAB, logits.device)
+        probs = temperature_min_p(logits[None], filters.temperature, filters.min_p)
+        size = max(STRESS_CANDIDATES, filters.max_top_k + 1)
+        [ids], [weights], [exact] = top_k_top_p_candidates(probs, filters.top_k, filters.top_p, size)
+        [sorted_ids], [sorted_weights] = top_k_top_p_sorted(probs, filters.top_k, filters.top_p)
+        kept = sorted_weights > 0
+        assert bool(exact) == expected_exact, name
+        if exact:
+            assert torch.equal(ids[weights > 0], sorted_ids[kept]), name
+            assert torch.equal(weights[weights > 0], sorted_weights[kept]), name
+        else:  # the fallback is needed: the full head reaches the candidates' smallest probability
+            assert sorted_weights[kept][-1] <= probs[0].topk(size).values[-1], name
+        if name.startswith("tie across the top-k"):
+            assert sorted_ids[kept].tolist() == [900, 901, 902, 7, 50]  # ties: lower id first
+
+
+def test_sampled_tokens_are_draws_from_the_full_sort_with_the_same_uniforms():
+    _, rows, params, _ = zip(*stress_rows())
+    repeat = 40
+    logits = torch.stack(rows).repeat(repeat, 1)
+    seqs = [SimpleNamespace(sampling_params=p, num_output_tokens=0) for p in params] * repeat
+    tokens = Sampler(seed=3, candidates=STRESS_CANDIDATES)(logits, seqs)
+    u = Sampler(seed=3).uniforms(seqs, logits.device)
+    ids, weights = full_sort_head(logits, [seq.sampling_params for seq in seqs])
+    assert tokens == ids.gather(-1, draw(weights, u)[:, None]).squeeze(-1).tolist()
+
+
+def test_a_seeded_request_draws_the_same_token_in_any_batch():
+    _, rows, params, _ = zip(*stress_rows())
+    seeded = [dataclasses.replace(p, seed=11 + i) for i, p in enumerate(params)]
+    alone = [Sampler(candidates=STRESS_CANDIDATES)(row[None], [SimpleNamespace(sampling_params=p, num_output_tokens=5)])
+             for row, p in zip(rows, seeded)]
+    others = [SamplingParams(), SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_p=0.5)]
+    batch = [SimpleNamespace(sampling_params=p, num_output_tokens=5) for p in [*others, *seeded, *others]]
+    logits = torch.stack([rows[0], rows[1], rows[2], *rows, rows[3], rows[4], rows[5]])
+    mixed = Sampler(seed=99, candidates=STRESS_CANDIDATES)(logits, batch)
+    assert mixed[len(others):len(others) + len(seeded)] == [token for [token] in alone]
+
+
+def test_draw_never_reaches_a_zero_weight_token():
+    weights = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0], [0.0, 0.0, 1.0, 0.0, 0.0]])
+    u = torch.tensor([0.0, 1.0 - 2.0**-53], dtype=torch.float64)  # the two ends of [0, 1)
+    assert draw(weights.repeat(2, 1), u.repeat_interleave(2)).tolist() == [3, 2, 1, 2]
 
 
 def test_min_p_is_validated():
