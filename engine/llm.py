@@ -196,13 +196,8 @@ class LLM:
         self.attention = instantiate_strategy(cfg.attention)
         self.runner = ModelRunner(self.model, self.cache, self.attention, self.device)
         if cuda_graphs and self.device.type == "cuda":
-            from engine.cuda_graphs import DecodeGraphs
-
-            self.runner.graphs = DecodeGraphs(
-                self.model, self.cache.kv_caches, self.attention, self.device,
-                max_num_seqs=getattr(self.scheduler, "max_num_seqs", 256), block_size=self.cache.block_size,
-                max_context=min(mc.max_model_len, self.cache.max_tokens_per_seq()),
-            )
+            self.runner.enable_cuda_graphs(max_num_seqs=getattr(self.scheduler, "max_num_seqs", 256),
+                                           max_context=min(mc.max_model_len, self.cache.max_tokens_per_seq()))
         self.sampler = Sampler(cfg.seed)
 
     def build_scheduling(self, cfg: DictConfig, allocate_kv: bool) -> None:
@@ -388,7 +383,7 @@ class LLM:
             if not item.is_padding:
                 item.seq.num_computed_tokens += item.num_new_tokens
                 self.cache.on_tokens_computed(item.seq)
-        sampled = [(item.seq, token) for item, token in zip(inputs.sampled, next_tokens) if not item.is_padding]
+        sampled = [(item.seq, token) for item, token in zip(inputs.sampled, next_tokens, strict=True) if not item.is_padding]
         advanced = [seq for seq, _ in sampled]
         finished = [seq for seq, token in sampled if self.append_token(seq, token, now)]
         self.record_step(plan, start, shape)
