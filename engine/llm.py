@@ -31,6 +31,7 @@ from engine.config import engine_config, instantiate_strategy
 from engine.detokenizer import IncrementalDetokenizer
 from engine.device import resolve_device, resolve_dtype
 from engine.fused_ops import FusedOps
+from engine.gpu_memory import size_for_device
 from engine.native_layers import NativeLayers
 from engine.loader import checkpoint_for_spec, load_model, load_quantized_blocks
 from engine.model import ONEDNN_BUCKETS_PER_OCTAVE, onednn_linear_supported
@@ -192,6 +193,7 @@ class LLM:
         self.fused = self.apply_fused_ops(fused_ops)
         self.kept_freed_memory = self.apply_keep_freed_memory(keep_freed_memory)
         mc: ModelConfig = self.model_config
+        cfg = self.config = size_for_device(cfg, self.model, mc, self.dtype, self.device)
         self.build_scheduling(cfg, allocate_kv=True)
         self.attention = instantiate_strategy(cfg.attention)
         self.runner = ModelRunner(self.model, self.cache, self.attention, self.device)
