@@ -29,7 +29,7 @@ from omegaconf import DictConfig
 from engine import host_memory
 from engine.config import engine_config, instantiate_strategy
 from engine.detokenizer import IncrementalDetokenizer
-from engine.device import resolve_device, resolve_dtype
+from engine.device import activate, resolve_device, resolve_dtype
 from engine.fused_ops import FusedOps
 from engine.gpu_memory import size_for_device
 from engine.native_layers import NativeLayers
@@ -184,6 +184,7 @@ class LLM:
     ) -> None:
         self.config = cfg
         self.device = resolve_device(cfg.device)
+        activate(self.device)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         checkpoint = checkpoint_for_spec(cfg.model)
         self.model, self.model_config = load_model(checkpoint, self.dtype, self.device)
