@@ -29,8 +29,9 @@ from omegaconf import DictConfig
 from engine import host_memory
 from engine.config import engine_config, instantiate_strategy
 from engine.detokenizer import IncrementalDetokenizer
-from engine.device import resolve_device, resolve_dtype
+from engine.device import activate, resolve_device, resolve_dtype
 from engine.fused_ops import FusedOps
+from engine.gpu_memory import size_for_device
 from engine.native_layers import NativeLayers
 from engine.loader import checkpoint_for_spec, load_model, load_quantized_blocks
 from engine.model import ONEDNN_BUCKETS_PER_OCTAVE, onednn_linear_supported
@@ -183,6 +184,7 @@ class LLM:
     ) -> None:
         self.config = cfg
         self.device = resolve_device(cfg.device)
+        activate(self.device)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         checkpoint = checkpoint_for_spec(cfg.model)
         self.model, self.model_config = load_model(checkpoint, self.dtype, self.device)
@@ -192,17 +194,13 @@ class LLM:
         self.fused = self.apply_fused_ops(fused_ops)
         self.kept_freed_memory = self.apply_keep_freed_memory(keep_freed_memory)
         mc: ModelConfig = self.model_config
+        cfg = self.config = size_for_device(cfg, self.model, mc, self.dtype, self.device)
         self.build_scheduling(cfg, allocate_kv=True)
         self.attention = instantiate_strategy(cfg.attention)
         self.runner = ModelRunner(self.model, self.cache, self.attention, self.device)
         if cuda_graphs and self.device.type == "cuda":
-            from engine.cuda_graphs import DecodeGraphs
-
-            self.runner.graphs = DecodeGraphs(
-                self.model, self.cache.kv_caches, self.attention, self.device,
-                max_num_seqs=getattr(self.scheduler, "max_num_seqs", 256), block_size=self.cache.block_size,
-                max_context=min(mc.max_model_len, self.cache.max_tokens_per_seq()),
-            )
+            self.runner.enable_cuda_graphs(max_num_seqs=getattr(self.scheduler, "max_num_seqs", 256),
+                                           max_context=min(mc.max_model_len, self.cache.max_tokens_per_seq()))
         self.sampler = Sampler(cfg.seed)
 
     def build_scheduling(self, cfg: DictConfig, allocate_kv: bool) -> None:
@@ -388,7 +386,7 @@ class LLM:
             if not item.is_padding:
                 item.seq.num_computed_tokens += item.num_new_tokens
                 self.cache.on_tokens_computed(item.seq)
-        sampled = [(item.seq, token) for item, token in zip(inputs.sampled, next_tokens) if not item.is_padding]
+        sampled = [(item.seq, token) for item, token in zip(inputs.sampled, next_tokens, strict=True) if not item.is_padding]
         advanced = [seq for seq, _ in sampled]
         finished = [seq for seq, token in sampled if self.append_token(seq, token, now)]
         self.record_step(plan, start, shape)

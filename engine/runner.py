@@ -178,10 +178,29 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> torch.Tensor:
-        """One forward pass; returns float32 logits ``[S, vocab]`` for the sampled rows."""
+        """One forward pass; returns float32 logits ``[S, vocab]`` for the sampled rows, in the
+        order of ``inputs.sampled``, on both paths: :func:`sampled_rows` picks them from the
+        hidden states (eager: the LM head runs on ``S`` rows) or from a replayed graph's logits
+        (a graph computes every row: a step of one-token rows may hold a one-token prompt chunk,
+        which is not sampled, at any place the scheduler's policy puts it)."""
         if self.graphs is not None and self.graphs.can_run(inputs.metadata):
-            # Decode-only step: every row is sampled, in order (see engine/cuda_graphs.py).
-            return self.graphs.run(inputs.input_ids, inputs.positions, inputs.metadata)
+            return sampled_rows(self.graphs.run(inputs.input_ids, inputs.positions, inputs.metadata), inputs)
         hidden = self.model(inputs.input_ids, inputs.positions, self.cache.kv_caches, inputs.metadata, self.attention,
                             attention_parts=inputs.attention_parts)
-        return self.model.compute_logits(hidden[inputs.logits_indices])
+        return self.model.compute_logits(sampled_rows(hidden, inputs))
+
+    def enable_cuda_graphs(self, max_num_seqs: int, max_context: int) -> None:
+        """Capture the decode graphs now, at start-up (see :mod:`engine.cuda_graphs` for the
+        buckets), so that no capture ever lands inside a timed step."""
+        from engine.cuda_graphs import DecodeGraphs
+
+        self.graphs = DecodeGraphs(self.model, self.cache.kv_caches, self.attention, self.device,
+                                   max_num_seqs=max_num_seqs, block_size=self.cache.block_size, max_context=max_context)
+        self.graphs.capture_all()
+
+
+def sampled_rows(rows: torch.Tensor, inputs: StepInputs) -> torch.Tensor:
+    """The rows of a step's per-row tensor (hidden states or logits, ``[T, ...]``) that are
+    sampled, in the order of ``inputs.sampled``: rows ``inputs.logits_indices``. The only
+    place the runner chooses rows, for the eager and the graph path alike."""
+    return rows.index_select(0, inputs.logits_indices)

@@ -31,6 +31,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Union
 
+from engine.device import activate
 from engine.sampling_params import SamplingParams
 from server.metrics import ServerMetrics
 
@@ -143,6 +144,7 @@ class EngineThread:
     # -- the engine thread -----------------------------------------------------------------
     def run(self) -> None:
         try:
+            activate(self.llm.device)  # a new thread starts on CUDA device 0
             stopping = False
             while not (stopping and not self.llm.has_unfinished()):
                 idle = not self.llm.has_unfinished()

@@ -432,14 +432,6 @@ def test_cuda_graphs_tokens_equal_eager(tiny_llama_ckpt, attention):
     assert graphs.runner.graphs.graphs  # something was captured and replayed
 
 
-def test_cuda_graph_buckets():
-    from engine.cuda_graphs import batch_buckets
-
-    assert batch_buckets(1) == [1]
-    assert batch_buckets(32) == [1, 2, 4, 8, 16, 32]
-    assert batch_buckets(48) == [1, 2, 4, 8, 16, 32, 48]
-
-
 def test_cuda_graphs_ignored_on_cpu(tiny_llama_ckpt):
     assert build(tiny_llama_ckpt, cuda_graphs=True).runner.graphs is None
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 import torch
 
 from engine.attention_metadata import AttentionMetadata
+from engine.device import on_device
 from engine.interfaces.attention import write_kv
 
 try:
@@ -195,21 +196,22 @@ class TritonPagedBackend:
         block_q = block_m // group
         out = torch.empty_like(query)
         grid = (metadata.num_seqs, num_kv_heads, triton.cdiv(metadata.max_query_len, block_q))
-        _paged_attention_kernel[grid](
-            out, query, k_cache, v_cache,
-            metadata.block_tables, metadata.query_start_loc, metadata.context_lens,
-            scale,
-            out.stride(0), out.stride(1), query.stride(0), query.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            metadata.block_tables.stride(0),
-            HEAD_DIM=head_dim,
-            BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-            BLOCK_SIZE=metadata.block_size,
-            GROUP=group,
-            BLOCK_Q=block_q,
-            BLOCK_M=block_m,
-            BLOCK_N=self.block_n,
-            DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        )
+        with on_device(query.device):  # Triton launches on the current CUDA device
+            _paged_attention_kernel[grid](
+                out, query, k_cache, v_cache,
+                metadata.block_tables, metadata.query_start_loc, metadata.context_lens,
+                scale,
+                out.stride(0), out.stride(1), query.stride(0), query.stride(1),
+                k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+                metadata.block_tables.stride(0),
+                HEAD_DIM=head_dim,
+                BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+                BLOCK_SIZE=metadata.block_size,
+                GROUP=group,
+                BLOCK_Q=block_q,
+                BLOCK_M=block_m,
+                BLOCK_N=self.block_n,
+                DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+            )
         return out

@@ -110,6 +110,7 @@ class ContiguousCache(PagedCache):
         max_model_len: region size for ``reserve="max_model_len"``. ``None`` takes the model's
             limit from :meth:`bind_model_limits`, which the engine calls; an explicit value wins.
         block_size: region granularity in tokens (regions are whole runs of blocks).
+        gpu_memory_utilization: see :class:`~strategies.cache.paged.PagedCache`.
     """
 
     def __init__(
@@ -118,10 +119,12 @@ class ContiguousCache(PagedCache):
         reserve: ReservePolicy = "max_model_len",
         max_model_len: int | None = None,
         block_size: int = 16,
+        gpu_memory_utilization: float = 0.9,
     ) -> None:
         if reserve not in RESERVE_POLICIES:
             raise ValueError(f"reserve must be one of {RESERVE_POLICIES}, got {reserve!r}")
-        super().__init__(block_size=block_size, capacity_tokens=capacity_tokens)
+        super().__init__(block_size=block_size, capacity_tokens=capacity_tokens,
+                         gpu_memory_utilization=gpu_memory_utilization)
         self.pool = FirstFitArena(self.num_blocks)  # replaces the paged free list
         self.reserve = reserve
         self.max_model_len: int | None = None

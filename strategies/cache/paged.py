@@ -27,11 +27,21 @@ class PagedCache:
     Args:
         block_size: tokens per block.
         capacity_tokens: KV budget in tokens; the pool has ``capacity_tokens // block_size`` blocks.
+            ``"auto"`` is resolved by the engine from the GPU's memory before the cache is built
+            (:mod:`engine.gpu_memory`); the cache itself only takes a number.
+        gpu_memory_utilization: with ``capacity_tokens: auto``, the fraction of the GPU's memory
+            the engine may use (weights, activations and KV cache together); read by the engine.
     """
 
-    def __init__(self, block_size: int = 16, capacity_tokens: int = 16384) -> None:
+    def __init__(self, block_size: int = 16, capacity_tokens: int = 16384, gpu_memory_utilization: float = 0.9) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if not isinstance(capacity_tokens, int):
+            raise ValueError(f"capacity_tokens must be a number of tokens here, got {capacity_tokens!r} "
+                             f"('auto' is resolved by the engine on a CUDA device, engine/gpu_memory.py)")
+        if not 0.0 < gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+        self.gpu_memory_utilization = gpu_memory_utilization
         if capacity_tokens < block_size:
             raise ValueError(f"capacity_tokens ({capacity_tokens}) must hold at least one block of {block_size} tokens")
         self.block_size = block_size

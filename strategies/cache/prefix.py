@@ -126,12 +126,14 @@ class PrefixCache(PagedCache):
     Args:
         block_size: tokens per block; also the sharing granularity (only full blocks are shared).
         capacity_tokens: KV budget in tokens; the pool has ``capacity_tokens // block_size`` blocks.
+        gpu_memory_utilization: see :class:`~strategies.cache.paged.PagedCache`.
     """
 
     shares_blocks = True  # stats() counts a shared block once
 
-    def __init__(self, block_size: int = 16, capacity_tokens: int = 16384) -> None:
-        super().__init__(block_size=block_size, capacity_tokens=capacity_tokens)
+    def __init__(self, block_size: int = 16, capacity_tokens: int = 16384, gpu_memory_utilization: float = 0.9) -> None:
+        super().__init__(block_size=block_size, capacity_tokens=capacity_tokens,
+                         gpu_memory_utilization=gpu_memory_utilization)
         self.pool: CachingBlockPool = CachingBlockPool(self.num_blocks)  # replaces the plain pool
         # entry ids of each live sequence's full, computed blocks: the chain it publishes onto
         self.chains: dict[int, list[int]] = {}

@@ -11,7 +11,10 @@ The host pool mirrors the device cache block for block: one ``[num_host_blocks, 
 kv_heads, head_dim]`` tensor per layer and K/V, pinned when the cache lives on a GPU, and its own
 :class:`~strategies.cache.block_pool.BlockPool`. A copy moves only the blocks that hold computed
 tokens, batched per layer and tensor (gather on one side, one transfer, scatter on the other;
-vLLM's ``swap_blocks`` issues one ``cudaMemcpyAsync`` per block instead). On CPU the "device"
+vLLM's ``swap_blocks`` issues one ``cudaMemcpyAsync`` per block instead). On a GPU every
+transfer goes through a pinned staging tensor and is asynchronous: the transfers of all layers
+are queued before the one synchronisation, so they overlap each other and the gathers (a
+transfer from pageable memory would block at each layer). On CPU the "device"
 is host memory too, so a swap is a memory-to-memory copy: cheaper than on a GPU's PCIe link,
 still a measured cost. (The CUDA path has not been run on a GPU in this project yet.)
 
@@ -105,14 +108,22 @@ class HostSwapSpace:
 
     def _copy(self, kv_caches, device_blocks: list[int], host_blocks: list[int], to_host: bool) -> None:
         start = time.perf_counter()
+        pin = self.device.type == "cuda"
         device_index = torch.tensor(device_blocks, dtype=torch.int64, device=self.device)
         host_index = torch.tensor(host_blocks, dtype=torch.int64)
+        staged: list[tuple[torch.Tensor, torch.Tensor]] = []  # (pinned staging, host pool) kept until the sync
         for (k_cache, v_cache), (k_host, v_host) in zip(kv_caches, self.host_caches):
             for cache, host in ((k_cache, k_host), (v_cache, v_host)):
+                stage = torch.empty((len(host_blocks), *host.shape[1:]), dtype=host.dtype, pin_memory=pin)
                 if to_host:
-                    host.index_copy_(0, host_index, cache.index_select(0, device_index).to("cpu"))
+                    stage.copy_(cache.index_select(0, device_index), non_blocking=pin)
                 else:
-                    cache.index_copy_(0, device_index, host.index_select(0, host_index).to(self.device, non_blocking=True))
-        if self.device.type == "cuda":
+                    torch.index_select(host, 0, host_index, out=stage)
+                    cache.index_copy_(0, device_index, stage.to(self.device, non_blocking=pin))
+                staged.append((stage, host))
+        if pin:
             torch.cuda.synchronize(self.device)
+        if to_host:
+            for stage, host in staged:
+                host.index_copy_(0, host_index, stage)
         self.counters.seconds += time.perf_counter() - start
