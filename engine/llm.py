@@ -34,7 +34,6 @@ from engine.fused_ops import FusedOps
 from engine.gpu_memory import size_for_device
 from engine.native_layers import NativeLayers
 from engine.loader import checkpoint_for_spec, load_model, load_quantized_blocks
-from engine.model import ONEDNN_BUCKETS_PER_OCTAVE, onednn_linear_supported
 from engine.model_config import ModelConfig
 from engine.native import NativeKernelUnavailable
 from engine.outputs import RequestOutput, StepRecord
@@ -47,6 +46,7 @@ from engine.skinny_gemm import SkinnyGemm
 from engine.step_shape import StepShape
 from engine.stop_strings import find_stop_string
 from engine.tokenizer import Message, encode_chat, encode_prompt, load_tokenizer, require_tokenizer
+from engine.weight_copies import ONEDNN_BUCKETS_PER_OCTAVE, onednn_linear_supported
 from engine.interfaces.scheduler import SchedulerOutput, SchedulerStalled
 
 

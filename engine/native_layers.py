@@ -12,7 +12,7 @@ scratch buffers per step for all layers, so the arithmetic is the Python path's 
 The C side calls every kernel through a function pointer looked up here in that kernel's own
 library, with all metadata explicit:
 
-* **linears** through :meth:`engine.model.Linear.native_kernels`, the one method a linear with its
+* **linears** through :meth:`engine.weight_copies.Linear.native_kernels`, the one method a linear with its
   own C kernels provides (function, weight, bias, most rows): the skinny GEMM, and before it the
   quantized GEMM over a GGUF checkpoint's blocks for fewer rows. Like ``Linear.forward``, a step
   of ``T`` rows gives each linear its first kernel that serves ``T`` rows;

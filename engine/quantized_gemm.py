@@ -8,7 +8,7 @@ panels of one vector of output rows), dequantizes each block in registers and mu
 with float32 activations. The weights it computes with are bitwise those of the float32
 checkpoint (``d * q`` is exact in float32, see the C file), so only the summation order differs
 from the float32 path, as between the skinny GEMM and oneDNN.
-:class:`~engine.model.Linear` uses it up to :attr:`QuantizedGemm.max_rows` rows (the measured
+:class:`~engine.weight_copies.Linear` uses it up to :attr:`QuantizedGemm.max_rows` rows (the measured
 crossover with the float32 skinny GEMM) and the float32 weights above. CPU only; compiled on
 first use like the other C kernels (``engine/native.py``); AVX-512, or AVX2 with F16C and FMA.
 """

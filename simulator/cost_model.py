@@ -54,8 +54,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.model import onednn_row_bucket
 from engine.model_config import ModelConfig
+from engine.weight_copies import onednn_row_bucket
 from engine.step_shape import StepShape
 from simulator import model_shapes
 from simulator.hardware import Hardware

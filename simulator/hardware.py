@@ -52,7 +52,7 @@ class Hardware:
             outside the roofline ``max``: they are passes over weights already streamed).
         large_batch_row_buckets: GEMMs of more than ``small_batch_rows`` rows run on rows padded up
             to buckets, this many per octave (servelab's prepacked oneDNN linears: 4, i.e. a
-            multiple of a quarter of the power of two at or below; ``engine.model.onednn_row_bucket``);
+            multiple of a quarter of the power of two at or below; ``engine.weight_copies.onednn_row_bucket``);
             0: no padding. The padded rows are computed, so the GEMM FLOPs count them.
         weight_time_scale: multiplier on weight bytes / bandwidth (1 / achieved bandwidth share).
         kv_time_scale: multiplier on KV bytes read / bandwidth (attention's memory side).

@@ -82,7 +82,7 @@ def test_tile_tail_makes_seven_rows_cost_more_than_eight():
 
 def test_larger_gemms_are_priced_on_their_padded_rows():
     """servelab's prepacked oneDNN linears compute rows padded to 4 buckets per octave
-    (``engine.model.onednn_row_bucket``): 129 rows cost 160, 913 cost 1,024; the few-row path
+    (``engine.weight_copies.onednn_row_bucket``): 129 rows cost 160, 913 cost 1,024; the few-row path
     (<= 128 rows) and a hardware without buckets compute the rows as they are."""
     base = dict(name="unit", peak_tflops=1, bandwidth_tbps=1, weight_time_scale=0.0, small_batch_rows=128)
     padded, plain = CostModel(Hardware(**base, large_batch_row_buckets=4), TINY), CostModel(Hardware(**base), TINY)

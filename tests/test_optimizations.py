@@ -26,8 +26,8 @@ from native_builds import without_avx512
 from engine import LLM, SamplingParams, native
 from engine.fused_ops import FusedOps
 from engine.native_layers import NativeLayers
-from engine import model as model_module
-from engine.model import RMSNorm, RotaryEmbedding, apply_rope, onednn_linear_supported, onednn_row_bucket
+from engine.model import RMSNorm, RotaryEmbedding, apply_rope
+from engine.weight_copies import onednn_linear_supported, onednn_row_bucket, packed_linear, prepack_weight
 from engine.skinny_gemm import SkinnyGemm
 from engine.runner import ModelRunner
 from hf_reference import hf_greedy
@@ -129,7 +129,7 @@ def test_packed_linear_shows_onednn_only_bucketed_row_counts(monkeypatch):
     called with is a bucket, and the unpadded rows come back within float32 noise of F.linear."""
     torch.manual_seed(0)
     weight, bias = torch.randn(96, 40), torch.randn(96)
-    packed = model_module.prepack_weight(weight)
+    packed = prepack_weight(weight)
     seen: list[int] = []
     real = torch.ops.mkldnn._linear_pointwise
 
@@ -140,7 +140,7 @@ def test_packed_linear_shows_onednn_only_bucketed_row_counts(monkeypatch):
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", recording)
     for rows in (129, 200, 333, 1000, 1024):
         x = torch.randn(rows, 40)
-        out = model_module.packed_linear(x, packed, bias)
+        out = packed_linear(x, packed, bias)
         assert out.shape == (rows, 96)
         torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
     assert seen == [onednn_row_bucket(rows) for rows in (129, 200, 333, 1000, 1024)] == [160, 224, 384, 1024, 1024]

@@ -20,7 +20,7 @@ from gguf.quants import dequantize, quantize
 
 from native_builds import without_avx512
 from engine.gguf_checkpoint import materialize_gguf
-from engine.model import Linear
+from engine.weight_copies import Linear
 from engine.quantized_gemm import BLOCK_BYTES, QuantizedGemm
 from gguf_writer import write_gguf
 from hf_reference import hf_greedy

@@ -79,7 +79,7 @@ def measure_matmul_peak(device: torch.device, dtype: torch.dtype, size: int | No
     b = torch.randn(size, size, device=device).to(dtype)
     flops = 2 * size**3
     best = flops / _time(lambda: torch.mm(a, b), device, repeats, min)
-    from engine.model import onednn_linear_supported, packed_linear, prepack_weight
+    from engine.weight_copies import onednn_linear_supported, packed_linear, prepack_weight
     from engine.native import NativeKernelUnavailable
     from engine.skinny_gemm import SkinnyGemm
 

@@ -16,7 +16,7 @@ small, so the preemptive scheduler preempts. At the end:
   after the warm-up share of requests minus the sample at its end is reported and bounded.
 
 ``prepack`` follows the engine's default (``auto``: oneDNN-packed linears on CPU float32). oneDNN
-keeps a primitive per distinct number of rows it sees; ``engine/model.py`` pads rows to a few
+keeps a primitive per distinct number of rows it sees; ``engine/weight_copies.py`` pads rows to a few
 buckets per octave so that state stays small (docs/reliability.md has the before/after).
 
 The engine keeps a per-step log (``LLM.step_records``) that its consumer drains, as the server's

@@ -8,7 +8,7 @@ depends on how they fill the 8-row register tile (``simulator.cost_model.tile_ta
 ``prefill``: whole prefill steps of the real engine (one prompt of L tokens, or n prompts),
 split into the attention kernel's time and the rest (the linears, norms, sampling): attention per
 causal query-key pair, and the rest per row, which jumps where the oneDNN linears pad their rows
-to a bucket (913 rows compute 1,024: ``engine.model.onednn_row_bucket``).
+to a bucket (913 rows compute 1,024: ``engine.weight_copies.onednn_row_bucket``).
 
 ``shared``: decode steps of 16 users on one 384-token prompt plus 20 tokens each, on the prefix
 cache (the prompt's blocks shared by all 16) and on the paged cache (the same tokens, each user
