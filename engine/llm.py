@@ -18,60 +18,28 @@ from __future__ import annotations
 import itertools
 import time
 import warnings
-from collections.abc import Callable, Mapping
-from pathlib import Path
+from collections.abc import Mapping
 from collections.abc import Sequence as SequenceOf
 from typing import Any
 
-import torch
 from omegaconf import DictConfig
 
-from engine import host_memory
 from engine.config import engine_config, instantiate_strategy
 from engine.detokenizer import IncrementalDetokenizer
 from engine.device import activate, resolve_device, resolve_dtype
-from engine.fused_ops import FusedOps
 from engine.gpu_memory import size_for_device
-from engine.native_layers import NativeLayers
-from engine.loader import checkpoint_for_spec, load_model, load_quantized_blocks
+from engine.loader import checkpoint_for_spec, load_model
 from engine.model_config import ModelConfig
-from engine.native import NativeKernelUnavailable
 from engine.outputs import RequestOutput, StepRecord
-from engine.quantized_gemm import QuantizedGemm
+from engine.performance_options import AppliedOption, PerformanceOptions, apply_performance_options
 from engine.runner import ModelRunner
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, SequenceStatus
-from engine.skinny_gemm import SkinnyGemm
 from engine.step_shape import StepShape
 from engine.stop_strings import find_stop_string
 from engine.tokenizer import Message, encode_chat, encode_prompt, load_tokenizer, require_tokenizer
-from engine.weight_copies import ONEDNN_BUCKETS_PER_OCTAVE, onednn_linear_supported
 from engine.interfaces.scheduler import SchedulerOutput, SchedulerStalled
-
-
-def _option_enabled(name: str, value: bool | str, supported: bool, requirement: str) -> bool:
-    """Resolve an ``auto | true | false`` performance option: whether to apply it here.
-
-    ``True`` where it is not ``supported`` raises (naming ``requirement``); ``"auto"`` applies it
-    only where supported; anything else is rejected."""
-    if value not in (True, False, "auto"):
-        raise ValueError(f"{name} must be true, false or 'auto', got {value!r}")
-    if value is True and not supported:
-        raise ValueError(f"{name}=True needs {requirement}")
-    return value is not False and supported
-
-
-def _build_kernel(name: str, value: bool | str, build: Callable[[], Any], fallback: str) -> Any | None:
-    """A C kernel for option ``name`` (``build()``), or ``None`` with a warning naming ``fallback``
-    when it cannot be built and the option is ``"auto"``; ``True`` re-raises the build error."""
-    try:
-        return build()
-    except NativeKernelUnavailable as error:
-        if value is True:
-            raise
-        warnings.warn(f"{name}=auto: {error}; {fallback}", stacklevel=3)
-        return None
 
 
 class LLM:
@@ -160,8 +128,7 @@ class LLM:
             },
             attention_options=attention_options or {},
         )
-        self.build(cfg, prepack=prepack, cuda_graphs=cuda_graphs, fused_ops=fused_ops,
-                   keep_freed_memory=keep_freed_memory, quantized_weights=quantized_weights)
+        self.build(cfg, PerformanceOptions(prepack, quantized_weights, fused_ops, keep_freed_memory, cuda_graphs))
 
     @classmethod
     def from_config(
@@ -174,14 +141,12 @@ class LLM:
         Performance options (``conf/engine/servelab.yaml``) come as keyword arguments.
         """
         llm = cls.__new__(cls)
-        llm.build(cfg, prepack=prepack, cuda_graphs=cuda_graphs, fused_ops=fused_ops,
-                  keep_freed_memory=keep_freed_memory, quantized_weights=quantized_weights)
+        llm.build(cfg, PerformanceOptions(prepack, quantized_weights, fused_ops, keep_freed_memory, cuda_graphs))
         return llm
 
-    def build(
-        self, cfg: DictConfig, prepack: bool | str = "auto", cuda_graphs: bool = False, fused_ops: bool | str = "auto",
-        keep_freed_memory: bool | str = "auto", quantized_weights: bool | str = "auto",
-    ) -> None:
+    def build(self, cfg: DictConfig, options: PerformanceOptions) -> None:
+        """Load the model, apply the performance ``options`` (:mod:`engine.performance_options`),
+        then build cache, scheduler, attention, runner and sampler."""
         self.config = cfg
         self.device = resolve_device(cfg.device)
         activate(self.device)
@@ -189,16 +154,14 @@ class LLM:
         checkpoint = checkpoint_for_spec(cfg.model)
         self.model, self.model_config = load_model(checkpoint, self.dtype, self.device)
         self.tokenizer = load_tokenizer(checkpoint)  # None: the checkpoint serves token ids only
-        self.prepacked = self.apply_prepack(prepack)
-        self.quantized_weights = self.apply_quantized_weights(quantized_weights, checkpoint)
-        self.fused = self.apply_fused_ops(fused_ops)
-        self.kept_freed_memory = self.apply_keep_freed_memory(keep_freed_memory)
+        self.performance = apply_performance_options(self.model, self.model_config, checkpoint, self.device,
+                                                     self.dtype, options)
         mc: ModelConfig = self.model_config
         cfg = self.config = size_for_device(cfg, self.model, mc, self.dtype, self.device)
         self.build_scheduling(cfg, allocate_kv=True)
         self.attention = instantiate_strategy(cfg.attention)
         self.runner = ModelRunner(self.model, self.cache, self.attention, self.device)
-        if cuda_graphs and self.device.type == "cuda":
+        if self.performance.cuda_graphs:
             self.runner.enable_cuda_graphs(max_num_seqs=getattr(self.scheduler, "max_num_seqs", 256),
                                            max_context=min(mc.max_model_len, self.cache.max_tokens_per_seq()))
         self.sampler = Sampler(cfg.seed)
@@ -225,57 +188,14 @@ class LLM:
         # back by the next ``step()`` so an ``add_request`` caller never loses a result.
         self.deferred_outputs: dict[int, RequestOutput] = {}
 
-    def apply_prepack(self, prepack: bool | str) -> bool:
-        self.skinny_gemm_max_rows = 0  # linears of at most this many rows take the skinny GEMM (0: none)
-        self.skinny_gemm_tile_rows = 0  # rows of its full register tile (0: no skinny GEMM)
-        self.onednn_row_buckets = 0  # prepacked linears pad rows to this many buckets per octave (0: no padding)
-        supported = onednn_linear_supported(self.device, self.dtype)
-        if not _option_enabled("prepack", prepack, supported, f"float32 on a CPU with oneDNN (got {self.dtype} on {self.device})"):
-            return False
-        try:
-            skinny_gemm = SkinnyGemm()
-        except NativeKernelUnavailable as error:  # oneDNN packing alone still pays
-            warnings.warn(f"prepack: {error}; few-row matmuls use oneDNN instead of the skinny GEMM", stacklevel=2)
-            skinny_gemm = None
-        self.model.prepack(skinny_gemm=skinny_gemm)
-        self.skinny_gemm_max_rows = skinny_gemm.max_rows if skinny_gemm is not None else 0
-        self.skinny_gemm_tile_rows = skinny_gemm.tile_rows if skinny_gemm is not None else 0
-        self.onednn_row_buckets = ONEDNN_BUCKETS_PER_OCTAVE
-        return True
-
-    def apply_quantized_weights(self, quantized: bool | str, checkpoint: Path) -> dict[str, Any] | None:
-        """``{"types": {GGUF type: weights using it}, "max_rows": rows}`` where applied, else ``None``."""
-        cpu_float32 = self.device.type == "cpu" and self.dtype == torch.float32
-        blocks = load_quantized_blocks(checkpoint, self.model_config) if cpu_float32 and quantized is not False else {}
-        requirement = (f"float32 on a CPU and a checkpoint converted from a GGUF file with Q4_1 / Q8_0 weights "
-                       f"(got {self.dtype} on {self.device}, checkpoint {checkpoint})")
-        if not _option_enabled("quantized_weights", quantized, bool(blocks), requirement):
-            return None
-        gemm = _build_kernel("quantized_weights", quantized, QuantizedGemm, "decode steps read the float32 weights")
-        if gemm is None:
-            return None
-        return {"types": self.model.use_quantized_weights(gemm, blocks), "max_rows": gemm.max_rows}
-
-    def apply_fused_ops(self, fused_ops: bool | str) -> bool:
-        supported = self.device.type == "cpu" and self.dtype == torch.float32
-        if not _option_enabled("fused_ops", fused_ops, supported, f"float32 on a CPU (got {self.dtype} on {self.device})"):
-            return False
-        ops = _build_kernel("fused_ops", fused_ops, FusedOps, "running the eager PyTorch ops instead")
-        if ops is None:
-            return False
-        self.model.use_fused_ops(ops)
-        if NativeLayers.available(self.model):  # every linear has a C kernel: decode-sized steps run layers in C
-            self.model.use_native_layers(NativeLayers(self.model, ops))
-        return True
-
-    def apply_keep_freed_memory(self, keep: bool | str) -> bool:
-        # Supported is only known by trying (glibc): True is checked after applying, below.
-        if not _option_enabled("keep_freed_memory", keep, keep is True or self.device.type == "cpu", ""):
-            return False
-        applied = host_memory.keep_freed_memory()
-        if keep is True and not applied:
-            raise ValueError("keep_freed_memory=True needs glibc's mallopt (Linux with glibc)")
-        return applied
+    # What the performance options applied, read from ``self.performance`` (AppliedOptions).
+    prepacked = AppliedOption()
+    skinny_gemm_max_rows = AppliedOption()
+    skinny_gemm_tile_rows = AppliedOption()
+    onednn_row_buckets = AppliedOption()
+    quantized_weights = AppliedOption()
+    fused = AppliedOption()
+    kept_freed_memory = AppliedOption()
 
     # -- requests ---------------------------------------------------------------------------
     @staticmethod

@@ -1,0 +1,178 @@
+"""Performance options: how each ``auto | true | false`` becomes what the engine applies.
+
+A performance option changes how a step is computed, never what it computes (docs/performance.md;
+tests/test_optimizations.py holds every one to the plain path's tokens). Each option resolves the
+same way (:func:`option_enabled`):
+
+* ``"auto"`` applies it where it is supported (the device, the dtype, the checkpoint) and its C
+  kernel builds; where the kernel cannot be built, a warning names the path taken instead;
+* ``True`` requires it: a ``ValueError`` names what is missing, and a kernel's build error is raised;
+* ``False`` keeps the plain PyTorch path.
+
+The options (:class:`PerformanceOptions`, the keyword arguments of :class:`engine.LLM` and
+``conf/engine/servelab.yaml``) are applied to a loaded model in one order, because later ones build
+on earlier ones (:func:`apply_performance_options`): ``prepack`` gives each weight its oneDNN and
+skinny-GEMM copies (:mod:`engine.weight_copies`); ``quantized_weights`` adds the GGUF blocks' copy;
+``fused_ops`` swaps in the fused C kernels and, where every linear has a C kernel, runs whole
+decoder layers in C (:mod:`engine.native_layers`); ``keep_freed_memory`` tunes ``malloc``.
+``cuda_graphs`` is applied later, by the runner. What was applied (:class:`AppliedOptions`) is what
+the engine reports and every run records (``summary.json``'s ``environment``).
+"""
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine import host_memory
+from engine.fused_ops import FusedOps
+from engine.loader import load_quantized_blocks
+from engine.model import CausalLM
+from engine.model_config import ModelConfig
+from engine.native import NativeKernelUnavailable
+from engine.native_layers import NativeLayers
+from engine.quantized_gemm import QuantizedGemm
+from engine.skinny_gemm import SkinnyGemm
+from engine.weight_copies import ONEDNN_BUCKETS_PER_OCTAVE, onednn_linear_supported
+
+
+@dataclass(frozen=True)
+class PerformanceOptions:
+    """The options as requested (each ``"auto"``, ``True`` or ``False``; see :class:`engine.LLM`)."""
+
+    prepack: bool | str = "auto"  # oneDNN-prepacked and skinny-GEMM weight copies (CPU float32)
+    quantized_weights: bool | str = "auto"  # decode matmuls read a GGUF checkpoint's Q4_1 / Q8_0 blocks
+    fused_ops: bool | str = "auto"  # fused C kernels for add + RMSNorm, RoPE, SiLU-and-multiply (CPU float32)
+    keep_freed_memory: bool | str = "auto"  # glibc malloc keeps freed activation buffers (CPU runs)
+    cuda_graphs: bool = False  # replay decode-only steps as CUDA graphs (CUDA only)
+
+
+@dataclass(frozen=True)
+class AppliedOptions:
+    """What :func:`apply_performance_options` applied on this device, dtype and checkpoint."""
+
+    prepacked: bool  # every linear has its oneDNN-prepacked copy
+    skinny_gemm_max_rows: int  # linears of at most this many rows take the skinny GEMM (0: none)
+    skinny_gemm_tile_rows: int  # rows of the skinny GEMM's full register tile (0: no skinny GEMM)
+    onednn_row_buckets: int  # prepacked linears pad rows to this many buckets per octave (0: no padding)
+    quantized_weights: dict[str, Any] | None  # {"types": {GGUF type: weights}, "max_rows": rows}; None: not used
+    fused: bool  # the fused C kernels run instead of the eager PyTorch ops
+    kept_freed_memory: bool  # glibc's malloc was tuned to keep freed memory
+    cuda_graphs: bool  # decode-only steps are to be captured as CUDA graphs (a CUDA device was asked to)
+
+
+class AppliedOption:
+    """An engine attribute that reads one field of the engine's ``performance`` (:class:`AppliedOptions`),
+    e.g. ``LLM.prepacked``; an engine without ``performance`` (the simulator's) has no such attribute."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, engine: Any, owner: type | None = None) -> Any:
+        if engine is None:
+            return self
+        return getattr(engine.performance, self.name)
+
+
+def option_enabled(name: str, value: bool | str, supported: bool, requirement: str) -> bool:
+    """Resolve an ``auto | true | false`` performance option: whether to apply it here.
+
+    ``True`` where it is not ``supported`` raises (naming ``requirement``); ``"auto"`` applies it
+    only where supported; anything else is rejected."""
+    if value not in (True, False, "auto"):
+        raise ValueError(f"{name} must be true, false or 'auto', got {value!r}")
+    if value is True and not supported:
+        raise ValueError(f"{name}=True needs {requirement}")
+    return value is not False and supported
+
+
+def build_kernel(name: str, value: bool | str, build: Callable[[], Any], fallback: str) -> Any | None:
+    """A C kernel for option ``name`` (``build()``), or ``None`` with a warning naming ``fallback``
+    when it cannot be built and the option is ``"auto"``; ``True`` re-raises the build error."""
+    try:
+        return build()
+    except NativeKernelUnavailable as error:
+        if value is True:
+            raise
+        warnings.warn(f"{name}=auto: {error}; {fallback}", stacklevel=4)  # the caller of apply_performance_options
+        return None
+
+
+def apply_performance_options(
+    model: CausalLM, model_config: ModelConfig, checkpoint: Path, device: torch.device, dtype: torch.dtype,
+    options: PerformanceOptions,
+) -> AppliedOptions:
+    """Apply ``options`` to ``model`` (loaded from ``checkpoint`` on ``device`` in ``dtype``), in
+    the order they build on each other, and say what was applied."""
+    prepacked, skinny_gemm = _prepack(model, device, dtype, options.prepack)
+    quantized = _quantized_weights(model, model_config, checkpoint, device, dtype, options.quantized_weights)
+    fused = _fused_ops(model, device, dtype, options.fused_ops)
+    kept_freed_memory = _keep_freed_memory(device, options.keep_freed_memory)
+    return AppliedOptions(
+        prepacked=prepacked,
+        skinny_gemm_max_rows=skinny_gemm.max_rows if skinny_gemm is not None else 0,
+        skinny_gemm_tile_rows=skinny_gemm.tile_rows if skinny_gemm is not None else 0,
+        onednn_row_buckets=ONEDNN_BUCKETS_PER_OCTAVE if prepacked else 0,
+        quantized_weights=quantized,
+        fused=fused,
+        kept_freed_memory=kept_freed_memory,
+        cuda_graphs=bool(options.cuda_graphs) and device.type == "cuda",
+    )
+
+
+def _prepack(model: CausalLM, device: torch.device, dtype: torch.dtype, prepack: bool | str) -> tuple[bool, SkinnyGemm | None]:
+    """Whether the linears got their oneDNN copies, and the skinny GEMM that got its panels (``None``: none)."""
+    supported = onednn_linear_supported(device, dtype)
+    if not option_enabled("prepack", prepack, supported, f"float32 on a CPU with oneDNN (got {dtype} on {device})"):
+        return False, None
+    try:
+        skinny_gemm = SkinnyGemm()
+    except NativeKernelUnavailable as error:  # oneDNN packing alone still pays
+        warnings.warn(f"prepack: {error}; few-row matmuls use oneDNN instead of the skinny GEMM", stacklevel=3)  # the caller of apply_performance_options
+        skinny_gemm = None
+    model.prepack(skinny_gemm=skinny_gemm)
+    return True, skinny_gemm
+
+
+def _quantized_weights(
+    model: CausalLM, model_config: ModelConfig, checkpoint: Path, device: torch.device, dtype: torch.dtype,
+    quantized: bool | str,
+) -> dict[str, Any] | None:
+    """``{"types": {GGUF type: weights using it}, "max_rows": rows}`` where applied, else ``None``."""
+    cpu_float32 = device.type == "cpu" and dtype == torch.float32
+    blocks = load_quantized_blocks(checkpoint, model_config) if cpu_float32 and quantized is not False else {}
+    requirement = (f"float32 on a CPU and a checkpoint converted from a GGUF file with Q4_1 / Q8_0 weights "
+                   f"(got {dtype} on {device}, checkpoint {checkpoint})")
+    if not option_enabled("quantized_weights", quantized, bool(blocks), requirement):
+        return None
+    gemm = build_kernel("quantized_weights", quantized, QuantizedGemm, "decode steps read the float32 weights")
+    if gemm is None:
+        return None
+    return {"types": model.use_quantized_weights(gemm, blocks), "max_rows": gemm.max_rows}
+
+
+def _fused_ops(model: CausalLM, device: torch.device, dtype: torch.dtype, fused_ops: bool | str) -> bool:
+    supported = device.type == "cpu" and dtype == torch.float32
+    if not option_enabled("fused_ops", fused_ops, supported, f"float32 on a CPU (got {dtype} on {device})"):
+        return False
+    ops = build_kernel("fused_ops", fused_ops, FusedOps, "running the eager PyTorch ops instead")
+    if ops is None:
+        return False
+    model.use_fused_ops(ops)
+    if NativeLayers.available(model):  # every linear has a C kernel: decode-sized steps run layers in C
+        model.use_native_layers(NativeLayers(model, ops))
+    return True
+
+
+def _keep_freed_memory(device: torch.device, keep: bool | str) -> bool:
+    # Supported is only known by trying (glibc): True is checked after applying, below.
+    if not option_enabled("keep_freed_memory", keep, keep is True or device.type == "cpu", ""):
+        return False
+    applied = host_memory.keep_freed_memory()
+    if keep is True and not applied:
+        raise ValueError("keep_freed_memory=True needs glibc's mallopt (Linux with glibc)")
+    return applied
