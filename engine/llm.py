@@ -128,7 +128,8 @@ class LLM:
             },
             attention_options=attention_options or {},
         )
-        self.build(cfg, PerformanceOptions(prepack, quantized_weights, fused_ops, keep_freed_memory, cuda_graphs))
+        self.build(cfg, PerformanceOptions(prepack=prepack, quantized_weights=quantized_weights, fused_ops=fused_ops,
+                                           keep_freed_memory=keep_freed_memory, cuda_graphs=cuda_graphs))
 
     @classmethod
     def from_config(
@@ -141,7 +142,8 @@ class LLM:
         Performance options (``conf/engine/servelab.yaml``) come as keyword arguments.
         """
         llm = cls.__new__(cls)
-        llm.build(cfg, PerformanceOptions(prepack, quantized_weights, fused_ops, keep_freed_memory, cuda_graphs))
+        llm.build(cfg, PerformanceOptions(prepack=prepack, quantized_weights=quantized_weights, fused_ops=fused_ops,
+                                          keep_freed_memory=keep_freed_memory, cuda_graphs=cuda_graphs))
         return llm
 
     def build(self, cfg: DictConfig, options: PerformanceOptions) -> None:
