@@ -1,7 +1,16 @@
-"""Per-run PNG plots (matplotlib, Agg backend): KV memory, batch shape, TTFT distribution."""
+"""PNG plots (matplotlib, Agg backend), drawn from result tables already read.
+
+Per run (:func:`plot_run`, written next to the run's CSV files): KV memory, batch shape, TTFT
+distribution. Per sweep (:mod:`experiments.results.report` reads the runs and labels them): a
+metric against concurrency or block size with one line per strategy (:func:`plot_vs`), and one
+curve per run of the TTFT CDF (:func:`plot_ttft_cdf`) and of KV usage over time
+(:func:`plot_kv_over_time`). A plot whose data is missing is not drawn (``None``).
+"""
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
@@ -78,3 +87,62 @@ def plot_run(requests: pd.DataFrame, steps: pd.DataFrame, out_dir: Path) -> list
         plot_ttft(requests, out_dir / "ttft.png"),
     ]
     return [p for p in written if p is not None]
+
+
+def plot_vs(frame: pd.DataFrame, x: str, metrics: Sequence[tuple[str, str]], path: Path,
+            label: Callable[[pd.Series], str]) -> Path | None:
+    """One subplot per ``(metric, axis label)``, one line per strategy (``label`` of a run's report
+    row), ``x`` on the axis; runs whose status is not ``ok`` are left out."""
+    if x not in frame or any(metric not in frame for metric, _ in metrics):  # e.g. summaries of an older version
+        return None
+    ok = frame[frame["status"] == "ok"].dropna(subset=[x])
+    if ok[x].nunique() < 2:
+        return None
+    fig, axes = plt.subplots(1, len(metrics), figsize=(5 * len(metrics), 3.8), squeeze=False)
+    for ax, (metric, axis_label) in zip(axes[0], metrics):
+        for name, part in ok.groupby(ok.apply(label, axis=1)):
+            part = part.sort_values(x)
+            ax.plot(part[x], part[metric], marker="o", label=name)
+        ax.set(xlabel=x, ylabel=axis_label)
+        if x == "concurrency" or x == "block_size":
+            ax.set_xscale("log", base=2)
+        ax.legend(fontsize=7)
+    return save_figure(fig, path)
+
+
+def plot_ttft_cdf(runs: Iterable[tuple[str, pd.DataFrame]], path: Path) -> Path | None:
+    """The empirical TTFT CDF of every ``(label, requests.csv table)`` in ``runs``."""
+    fig, ax = plt.subplots(figsize=(6, 4))
+    drawn = 0
+    for label, requests in runs:
+        values = np.sort(requests["ttft_s"].dropna().to_numpy())
+        if values.size:
+            ax.step(values, np.arange(1, values.size + 1) / values.size, where="post", label=label)
+            drawn += 1
+    return _save_if_drawn(fig, ax, drawn, path, xlabel="TTFT (s)", ylabel="fraction of requests", title="TTFT CDF",
+                          ylim=(0, 1.02))
+
+
+def plot_kv_over_time(runs: Iterable[tuple[str, pd.DataFrame]], path: Path) -> Path | None:
+    """KV tokens used (solid) and reserved (dashed) over time, for every ``(label, steps.csv table)`` in ``runs``."""
+    fig, ax = plt.subplots(figsize=(7, 4))
+    drawn = 0
+    for label, steps in runs:
+        if steps.empty or steps["kv_used_tokens"].isna().all():
+            continue
+        line = ax.step(steps["end_time"], steps["kv_used_tokens"], where="post", label=f"{label} used")[0]
+        if steps["kv_reserved_tokens"].notna().any():
+            ax.step(steps["end_time"], steps["kv_reserved_tokens"], where="post", linestyle="--", color=line.get_color())
+        drawn += 1
+    return _save_if_drawn(fig, ax, drawn, path, xlabel="time since run start (s)", ylabel="KV tokens",
+                          title="KV used (solid) / reserved (dashed)")
+
+
+def _save_if_drawn(fig: plt.Figure, ax: plt.Axes, drawn: int, path: Path, **axis: Any) -> Path | None:
+    """Label ``ax`` (``axis``: ``Axes.set`` keywords) and save ``fig`` when it has ``drawn`` curves; else close it."""
+    if not drawn:
+        plt.close(fig)
+        return None
+    ax.set(**axis)
+    ax.legend(fontsize=7)
+    return save_figure(fig, path)

@@ -7,7 +7,7 @@ row of ``report.csv`` / ``report.md``: its status, its swept overrides as column
 (engine, cache, scheduler, attention, concurrency, block_size...) and every summary metric. A job
 that crashed before writing ``summary.json`` is listed as failed; one whose files cannot be read
 (truncated by a crash of an older version, damaged) is listed as ``unreadable`` with the reason,
-and the report goes on. Plots (when their axis varies):
+and the report goes on. Plots (when their axis varies; drawn by :mod:`experiments.results.plots`):
 output tok/s and TTFT p50/p99 vs concurrency per strategy, TTFT CDF, KV usage over time,
 block-size sweep.
 """
@@ -16,23 +16,18 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import matplotlib
+import pandas as pd
+import yaml
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
-import yaml  # noqa: E402
-from hydra.experimental.callback import Callback  # noqa: E402
-from omegaconf import DictConfig  # noqa: E402
-
-from experiments.harness.metrics import decode_seconds_per_1k_context  # noqa: E402
-from experiments.results.plots import save_figure  # noqa: E402
-from experiments.results.files import write_csv, write_text_file  # noqa: E402
+from experiments.harness.metrics import decode_seconds_per_1k_context
+from experiments.results.files import write_csv, write_text_file
+from experiments.results.plots import plot_kv_over_time, plot_ttft_cdf, plot_vs
 
 LABEL_COLUMNS = ["engine", "hardware", "model", "cache", "scheduler", "attention", "attention_backend", "workload", "concurrency", "block_size",
                  "capacity_tokens", "max_num_seqs", "dtype", "seed"]
@@ -158,28 +153,10 @@ def write_table_files(table: pd.DataFrame, root: Path, stem: str) -> str:
     return text
 
 
-def plot_vs(frame: pd.DataFrame, x: str, metrics: Sequence[tuple[str, str]], path: Path, groups: Sequence[str]) -> Path | None:
-    """One subplot per metric, one line per strategy (the other varying columns), x on the axis."""
-    if x not in frame or any(metric not in frame for metric, _ in metrics):  # e.g. summaries of an older version
-        return None
-    ok = frame[frame["status"] == "ok"].dropna(subset=[x])
-    if ok[x].nunique() < 2:
-        return None
-    fig, axes = plt.subplots(1, len(metrics), figsize=(5 * len(metrics), 3.8), squeeze=False)
-    for ax, (metric, label) in zip(axes[0], metrics):
-        for name, part in ok.groupby(ok.apply(lambda r: strategy_label(r, groups), axis=1)):
-            part = part.sort_values(x)
-            ax.plot(part[x], part[metric], marker="o", label=name)
-        ax.set(xlabel=x, ylabel=label)
-        if x == "concurrency" or x == "block_size":
-            ax.set_xscale("log", base=2)
-        ax.legend(fontsize=7)
-    return save_figure(fig, path)
-
-
-def job_tables(root: Path, frame: pd.DataFrame, name: str, problems: list[str]) -> Iterator[tuple[pd.Series, pd.DataFrame]]:
-    """``(report row, table)`` for every successful job that wrote the CSV file ``name``; a file
-    that cannot be read is skipped and named in ``problems``."""
+def job_tables(root: Path, frame: pd.DataFrame, name: str, groups: Sequence[str],
+               problems: list[str]) -> Iterator[tuple[str, pd.DataFrame]]:
+    """``(label, table)`` for every successful job that wrote the CSV file ``name``, labelled by its
+    job folder and its values of ``groups``; a file that cannot be read is skipped and named in ``problems``."""
     for _, row in frame[frame["status"] == "ok"].iterrows():
         file = root / row["job"] / name
         if not file.is_file():
@@ -189,43 +166,7 @@ def job_tables(root: Path, frame: pd.DataFrame, name: str, problems: list[str]) 
         except UNREADABLE as error:
             problems.append(f"job {row['job']}: unreadable {name} ({type(error).__name__}: {error}); left out of the plots")
             continue
-        yield row, table
-
-
-def plot_ttft_cdf(root: Path, frame: pd.DataFrame, path: Path, groups: Sequence[str], problems: list[str]) -> Path | None:
-    fig, ax = plt.subplots(figsize=(6, 4))
-    drawn = 0
-    for row, requests in job_tables(root, frame, "requests.csv", problems):
-        values = np.sort(requests["ttft_s"].dropna().to_numpy())
-        if values.size:
-            ax.step(values, np.arange(1, values.size + 1) / values.size, where="post",
-                    label=f"{row['job']}: {strategy_label(row, groups)}")
-            drawn += 1
-    if not drawn:
-        plt.close(fig)
-        return None
-    ax.set(xlabel="TTFT (s)", ylabel="fraction of requests", title="TTFT CDF", ylim=(0, 1.02))
-    ax.legend(fontsize=7)
-    return save_figure(fig, path)
-
-
-def plot_kv_over_time(root: Path, frame: pd.DataFrame, path: Path, groups: Sequence[str], problems: list[str]) -> Path | None:
-    fig, ax = plt.subplots(figsize=(7, 4))
-    drawn = 0
-    for row, steps in job_tables(root, frame, "steps.csv", problems):
-        if steps.empty or steps["kv_used_tokens"].isna().all():
-            continue
-        line = ax.step(steps["end_time"], steps["kv_used_tokens"], where="post",
-                       label=f"{row['job']}: {strategy_label(row, groups)} used")[0]
-        if steps["kv_reserved_tokens"].notna().any():
-            ax.step(steps["end_time"], steps["kv_reserved_tokens"], where="post", linestyle="--", color=line.get_color())
-        drawn += 1
-    if not drawn:
-        plt.close(fig)
-        return None
-    ax.set(xlabel="time since run start (s)", ylabel="KV tokens", title="KV used (solid) / reserved (dashed)")
-    ax.legend(fontsize=7)
-    return save_figure(fig, path)
+        yield f"{row['job']}: {strategy_label(row, groups)}", table
 
 
 def decode_scaling_lines(frame: pd.DataFrame) -> list[str]:
@@ -248,17 +189,22 @@ def write_report(root: Path) -> list[Path]:
     frame = collect(root)
     axes = axis_columns(frame)
     problems: list[str] = []
-    not_x = lambda x: [c for c in axes if c not in (x, f"override:{x}")]  # noqa: E731
+
+    def label_without(x: str) -> Callable[[pd.Series], str]:
+        """A run's strategy label over the varying columns other than the plot's axis ``x``."""
+        others = [c for c in axes if c not in (x, f"override:{x}")]
+        return lambda row: strategy_label(row, others)
+
     plots = [
         plot_vs(frame, "concurrency", [("output_throughput", "output tok/s")], root / "throughput_vs_concurrency.png",
-                not_x("concurrency")),
+                label_without("concurrency")),
         plot_vs(frame, "concurrency", [("ttft_s_p50", "TTFT p50 (s)"), ("ttft_s_p99", "TTFT p99 (s)")],
-                root / "ttft_vs_concurrency.png", not_x("concurrency")),
+                root / "ttft_vs_concurrency.png", label_without("concurrency")),
         plot_vs(frame, "block_size", [("output_throughput", "output tok/s"),
                                       ("mean_kv_used_reserved_ratio", "mean KV used / reserved")],
-                root / "block_size_sweep.png", not_x("block_size")),
-        plot_ttft_cdf(root, frame, root / "ttft_cdf.png", axes, problems),
-        plot_kv_over_time(root, frame, root / "kv_usage.png", axes, problems),
+                root / "block_size_sweep.png", label_without("block_size")),
+        plot_ttft_cdf(job_tables(root, frame, "requests.csv", axes, problems), root / "ttft_cdf.png"),
+        plot_kv_over_time(job_tables(root, frame, "steps.csv", axes, problems), root / "kv_usage.png"),
     ]
     per_class = [c for c in frame.columns if c.startswith("priority_") and ("ttft_s" in c)]
     reported = [m for m in [*MARKDOWN_METRICS, *per_class] if m in frame and frame[m].notna().any()
