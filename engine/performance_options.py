@@ -62,7 +62,7 @@ class AppliedOptions:
     quantized_weights: dict[str, Any] | None  # {"types": {GGUF type: weights}, "max_rows": rows}; None: not used
     fused: bool  # the fused C kernels run instead of the eager PyTorch ops
     kept_freed_memory: bool  # glibc's malloc was tuned to keep freed memory
-    cuda_graphs: bool  # decode-only steps are to be captured as CUDA graphs (a CUDA device was asked to)
+    cuda_graphs: bool  # decode-only steps are to be captured as CUDA graphs (requested, on a CUDA device)
 
 
 class AppliedOption:

@@ -226,7 +226,7 @@ def test_kv_capacity_from_memory_by_hand():
         kv_capacity_from_memory(h100, seventy, 0.9)
 
 
-DATASHEETS = {  # name: (TB/s, dense bf16 TFLOP/s, GB) as the issue gives them
+DATASHEETS = {  # name: (TB/s, dense bf16 TFLOP/s, GB) from the vendors' datasheets
     "a100-80gb": (2.0, 312, 80), "h100": (3.35, 989, 80), "h200": (4.8, 989, 141), "l4": (0.3, 121, 24),
     "rtx4090": (1.0, 165, 24),
 }

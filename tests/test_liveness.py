@@ -17,7 +17,9 @@ from engines import build_engine
 from hf_reference import hf_greedy
 
 ROOT = Path(__file__).resolve().parents[1]
-# The issue's hang: 4-block pool, token budget 8, two requests of 4 prompt tokens and 12 new ones.
+# A workload the preemptive scheduler could never finish: 4-block pool, token budget 8, two requests
+# of 4 prompt tokens and 12 new ones; a preempted request recomputes up to 4 + 12 - 1 = 15 tokens in
+# one step, over the budget.
 HANG = dict(cache="paged", scheduler="preemptive", block_size=4, capacity_tokens=16, max_num_batched_tokens=8,
             max_num_seqs=4)
 HANG_PROMPTS = [[5, 6, 7, 8], [9, 10, 11, 12]]
@@ -41,7 +43,9 @@ def drain(llm: LLM, max_steps: int = 300) -> dict[int, object]:
     raise AssertionError(f"engine did not drain in {max_steps} steps")
 
 
-def test_issue_hang_is_rejected_at_add_naming_the_budget(tiny_llama_ckpt):
+def test_unrecomputable_request_is_rejected_at_add_naming_the_budget(tiny_llama_ckpt):
+    """A request whose recompute after preemption can never fit the token budget is refused at
+    ``add_request`` (the message names the budget and chunked prefill), and nothing is queued."""
     llm = engine(tiny_llama_ckpt, **HANG)
     with pytest.raises(ValueError, match=r"max_num_batched_tokens=8.*chunked_prefill"):
         llm.add_request(HANG_PROMPTS[0], HANG_PARAMS)
@@ -49,8 +53,9 @@ def test_issue_hang_is_rejected_at_add_naming_the_budget(tiny_llama_ckpt):
 
 
 @pytest.mark.parametrize("fix", [{"chunked_prefill": True}, {"max_num_batched_tokens": 4 + 12 - 1}])
-def test_issue_workload_completes_once_the_limit_allows(tiny_llama_ckpt, fix):
-    """Chunked prefill, or a budget of exactly prompt + max_tokens - 1, runs it through preemption."""
+def test_stalling_workload_completes_once_the_limit_allows(tiny_llama_ckpt, fix):
+    """Chunked prefill, or a budget of exactly prompt + max_tokens - 1, runs that workload through
+    preemption to HF's greedy tokens, with every block freed."""
     llm = engine(tiny_llama_ckpt, **{**HANG, **fix})
     ids = [llm.add_request(prompt, HANG_PARAMS) for prompt in HANG_PROMPTS]
     finished = drain(llm)

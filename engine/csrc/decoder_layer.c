@@ -9,7 +9,7 @@
  *   o linear, add + RMSNorm, fused gate/up linear, SiLU-and-multiply, down linear.
  * A linear is a (function, weight, bias) triple with the skinny GEMM's signature, so any kernel
  * with that signature and its own weight format (a quantized GEMV, say) plugs in per linear; the
- * attention kernel is whatever the attention backend hands over (cpu_paged's today).
+ * attention kernel is whatever the attention backend hands over (cpu_paged offers one).
  * All metadata is explicit in the arguments: no globals, nothing kept between calls.
  */
 #include <stdint.h>

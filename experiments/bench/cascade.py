@@ -12,8 +12,8 @@ one per backend) serve the same users (a leader first, so everyone else shares i
 blocks), then take decode steps alternately; medians of ``StepRecord.duration_s`` (wall) and of
 the process CPU time of each step. On a machine shared with other jobs, ``--threads 1`` and the
 CPU-time columns are the robust comparison (a descheduled process does not accrue CPU time);
-with more threads CPU time also counts OpenMP's spin-waiting, so compare wall time on a quiet
-machine. The workload-driven counterpart is ``python run.py +experiment=shared_prefix_attention``.
+with more threads CPU time also counts OpenMP's spin-waiting, so compare wall time on an otherwise
+idle machine. The workload-driven counterpart is ``python run.py +experiment=shared_prefix_attention``.
 
     python -m experiments.bench.cascade --users 1 8 16 30 --shared-tokens 500
     python -m experiments.bench.cascade --engine smollm2-135m --users 8 16 30 --threads 1

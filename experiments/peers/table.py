@@ -13,7 +13,7 @@ repeats, because whole runs drift by up to ~25% on a shared machine.
 
 Runs that failed are not dropped: an engine none of whose runs succeeded gets a row saying
 ``not run`` with the first line of the error (e.g. llama.cpp without a compiler to build it); one
-with some failed runs says how many in ``failed``. With ``targets`` (ratios the issue asks for),
+with some failed runs says how many in ``failed``. With ``targets`` (ratios to reach, from the experiment's YAML),
 ``peer_targets.md/.csv`` marks each one met or not with the measured ratio.
 ``python -m experiments.peers.table <sweep dir>`` rebuilds the table from the run folders.
 """
