@@ -438,7 +438,9 @@ def test_cuda_graphs_ignored_on_cpu(tiny_llama_ckpt):
 
 # -- roofline ------------------------------------------------------------------------------------
 def test_roofline_counts_and_decode_timing(tiny_llama_ckpt):
-    from experiments.bench.roofline import decode_cost, time_decode_steps
+    """The bound's byte and FLOP counts equal the model's parameter, KV and attention arithmetic;
+    a timed decode step and the machine probes (small sizes) give positive numbers."""
+    from experiments.bench.roofline import decode_cost, measure_bandwidth, measure_matmul_peak, time_decode_steps
 
     llm = build(tiny_llama_ckpt, capacity_tokens=1024)
     config = llm.model_config
@@ -452,6 +454,9 @@ def test_roofline_counts_and_decode_timing(tiny_llama_ckpt):
     assert cost.flops == 2 * 4 * (params - norms) + attention  # tied head: the embedding is the LM head
     assert time_decode_steps(llm, batch=3, context=6, steps=2) > 0
     llm.free_blocks_check()
+    cpu = torch.device("cpu")
+    assert all(rate > 0 for rate in measure_bandwidth(cpu, megabytes=4, repeats=1))  # copy, read bytes/s
+    assert measure_matmul_peak(cpu, torch.float32, size=64, repeats=1) > 0  # torch.mm, oneDNN, skinny GEMM
 
 
 # -- mixed steps attended per run of decode / prefill sequences -----------------------------------
