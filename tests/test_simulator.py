@@ -154,15 +154,19 @@ def test_rejects_like_the_real_engine_and_keeps_serving():
 
 
 def test_output_length_distribution_ends_requests_with_eos():
-    engine = SimulatedLLM(model="tiny", hardware="h100", mean_output_tokens=8)
-    outputs = engine.generate([[3 + i, 4, 5] for i in range(40)], SamplingParams(max_tokens=100))
+    """With ``mean_output_tokens`` outputs end at EOS after geometric lengths, the same on a fresh
+    engine; without it EOS never comes. (A pool of 8,192 tokens: the tiny model's KV on a whole
+    H100 would be millions of blocks to set up, and the pool plays no part here.)"""
+    def engine(**options) -> SimulatedLLM:
+        return SimulatedLLM(model="tiny", hardware="h100", capacity_tokens=8192, **options)
+
+    outputs = engine(mean_output_tokens=8).generate([[3 + i, 4, 5] for i in range(40)], SamplingParams(max_tokens=100))
     lengths = [len(o.token_ids) for o in outputs]
     assert all(o.finish_reason == "stop" and o.token_ids[-1] == 2 for o in outputs if len(o.token_ids) < 100)
     assert len(set(lengths)) > 5 and 4 < sum(lengths) / len(lengths) < 16  # geometric, mean 8
-    again = SimulatedLLM(model="tiny", hardware="h100", mean_output_tokens=8).generate(
-        [[3 + i, 4, 5] for i in range(40)], SamplingParams(max_tokens=100))
+    again = engine(mean_output_tokens=8).generate([[3 + i, 4, 5] for i in range(40)], SamplingParams(max_tokens=100))
     assert [o.token_ids for o in again] == [o.token_ids for o in outputs]  # deterministic
-    never = SimulatedLLM(model="tiny", hardware="h100").generate([[3, 4, 5]], SamplingParams(max_tokens=300))
+    never = engine().generate([[3, 4, 5]], SamplingParams(max_tokens=300))
     assert len(never[0].token_ids) == 300  # without a distribution EOS never comes
 
 
