@@ -180,7 +180,8 @@ def test_engine_simulated_needs_hardware_and_labels_its_times(tmp_path):
                  "plots=false"]
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         missing = compose("config", overrides=overrides)
-        with_h200 = compose("config", overrides=[*overrides, "hardware=h200"])
+        # a pool of 8,192 tokens: the tiny model's KV on a whole H200 would be 31 million blocks to set up
+        with_h200 = compose("config", overrides=[*overrides, "hardware=h200", "engine.kv_capacity=8192"])
     with pytest.raises(ValueError, match="needs hardware=<name>; known: .*h100"):
         SimulatedLLM.from_config(missing)
     outcome = execute(with_h200, tmp_path, {"engine": "simulated", "hardware": "h200", "model": "tiny"}, [])
