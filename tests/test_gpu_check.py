@@ -55,3 +55,19 @@ def test_greedy_tokens_are_compared_only_where_the_reference_margin_is_clear():
     assert clear == 1 and same == 1 and abs(diff - 0.001) < 1e-6
     _, same, clear = compare(torch.tensor([[1.0, 0.999, 0.0], [0.0, 2.0, 0.0]]), reference, tolerance=0.01)
     assert clear == 1 and same == 0  # the clear row's token differs: counted as a mismatch
+
+
+def test_the_parity_comparison_maps_rows_to_prompts_on_the_cpu(tiny_llama_ckpt):
+    """The parity part's own functions on the CPU (float32, torch_sdpa, tiny Llama): servelab's
+    prefill rows, put back in prompt order, match HF's per-prompt logits; shuffled rows would not."""
+    import torch
+
+    from experiments.bench.gpu_check import _engine, _prompts, compare, hf_logits, prefill_logits
+
+    prompts = _prompts(5, seed=3, max_len=40, vocab_size=256)
+    ours = prefill_logits(_engine(tiny_llama_ckpt, device="cpu", attention="torch_sdpa", dtype="float32",
+                                  block_size=4, capacity_tokens=512), prompts)
+    reference = hf_logits(tiny_llama_ckpt, prompts, "float32", device="cpu")
+    diff, same, clear = compare(ours, reference, tolerance=1e-4)
+    assert diff <= 1e-4 and same == clear > 0
+    assert compare(ours.roll(1, dims=0), reference, tolerance=1e-4)[0] > 1e-2

@@ -87,11 +87,11 @@ def time_limit(seconds: int) -> Iterator[None]:
         signal.signal(signal.SIGALRM, previous)
 
 
-def _prompts(count: int, seed: int = 0) -> list[list[int]]:
+def _prompts(count: int, seed: int = 0, max_len: int = 200, vocab_size: int = PARITY_MODEL["vocab_size"]) -> list[list[int]]:
     import random
 
     rng = random.Random(seed)
-    return [[rng.randrange(3, PARITY_MODEL["vocab_size"]) for _ in range(rng.randint(8, 200))] for _ in range(count)]
+    return [[rng.randrange(3, vocab_size) for _ in range(rng.randint(8, max_len))] for _ in range(count)]
 
 
 def _checkpoint(folder: Path) -> Path:
@@ -120,14 +120,14 @@ def prefill_logits(llm, prompts: list[list[int]]):
     return logits[[order[tuple(p)] for p in prompts]]
 
 
-def hf_logits(ckpt: Path, prompts: list[list[int]], dtype: str):
-    """HF ``transformers``' last-row logits per (unpadded) prompt, float32, on CUDA."""
+def hf_logits(ckpt: Path, prompts: list[list[int]], dtype: str, device: str = "cuda"):
+    """HF ``transformers``' last-row logits per (unpadded) prompt, as float32 on the host."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=getattr(torch, dtype)).to("cuda").eval()
+    model = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=getattr(torch, dtype)).to(device).eval()
     with torch.no_grad():
-        return torch.stack([model(torch.tensor([p], device="cuda")).logits[0, -1].float().cpu() for p in prompts])
+        return torch.stack([model(torch.tensor([p], device=device)).logits[0, -1].float().cpu() for p in prompts])
 
 
 def compare(ours, reference, tolerance: float) -> tuple[float, int, int]:
@@ -158,7 +158,7 @@ def run_parity(out: Path) -> list[Row]:
 def run_graphs(out: Path) -> list[Row]:
     from engine import SamplingParams
 
-    prompts = _prompts(8, seed=1)
+    prompts = _prompts(8, seed=1, max_len=100)  # 800 tokens at most: one prefill step, then decodes
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as folder:
         ckpt = _checkpoint(Path(folder))
         logits = []
