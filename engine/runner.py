@@ -23,6 +23,7 @@ from engine.interfaces.attention import AttentionBackend
 from engine.interfaces.cache import KVCacheStrategy
 from engine.interfaces.scheduler import ScheduledSequence
 from engine.step_shape import MIN_DECODE_RUN, attention_runs
+from engine.step_staging import HostStaging
 
 
 @dataclass
@@ -58,13 +59,15 @@ class ModelRunner:
         self.attention = attention
         self.device = device
         self._aranges = torch.arange(1024, dtype=torch.int64)
+        # CUDA: the step's metadata goes through pinned buffers, one non-blocking copy per dtype
+        self.staging = HostStaging(device, pin_memory=True) if device.type == "cuda" else None
         self.graphs = None  # engine.cuda_graphs.DecodeGraphs when LLM(cuda_graphs=True) on CUDA
         self.min_decode_run: int | None = MIN_DECODE_RUN  # split mixed steps with a run of >= this many decodes; None: never
 
     def prepare(self, scheduled: list[ScheduledSequence]) -> StepInputs:
         """Flatten one step. Python touches each sequence once (its token ids, start and block
         table); everything derived (positions, slots, prefix sums) is tensor ops on the host,
-        then one copy per tensor to the device. Decode-only steps (one row per sequence) skip
+        then to the device (:meth:`_to_device`). Decode-only steps (one row per sequence) skip
         the ragged-row bookkeeping entirely."""
         token_ids: list[int] = []
         start_positions: list[int] = []
@@ -113,23 +116,27 @@ class ModelRunner:
         slot_mapping = block_tables_t[seq_rows, positions // block_size] * block_size + positions % block_size
         context_lens = starts + query_lens_t
 
-        device = self.device
+        (input_ids, positions, logits_indices, slot_mapping, query_start_loc, query_lens_t, context_lens,
+         block_tables_t) = self._to_device([
+            (input_ids, torch.int64), (positions, torch.int64), (logits_indices, torch.int64),
+            (slot_mapping, torch.int64), (query_start_loc, torch.int32), (query_lens_t, torch.int32),
+            (context_lens, torch.int32), (block_tables_t, torch.int32)])
         metadata = AttentionMetadata(
-            query_start_loc=query_start_loc.to(device, torch.int32),
-            query_lens=query_lens_t.to(device, torch.int32),
-            context_lens=context_lens.to(device, torch.int32),
-            slot_mapping=slot_mapping.to(device),
-            block_tables=block_tables_t.to(device, torch.int32),
+            query_start_loc=query_start_loc,
+            query_lens=query_lens_t,
+            context_lens=context_lens,
+            slot_mapping=slot_mapping,
+            block_tables=block_tables_t,
             block_size=block_size,
             max_query_len=max(query_lens),
             max_context_len=max(start + n for start, n in zip(start_positions, query_lens)),
         )
         parts = None if decode_only else self.split_runs(metadata, query_lens, start_positions)
         return StepInputs(
-            input_ids=input_ids.to(device),
-            positions=positions.to(device),
+            input_ids=input_ids,
+            positions=positions,
             metadata=metadata,
-            logits_indices=logits_indices.to(device),
+            logits_indices=logits_indices,
             sampled=sampled,
             attention_parts=parts,
         )
@@ -169,6 +176,14 @@ class ModelRunner:
             parts.append((row, row + rows, part))
             row += rows
         return parts
+
+    def _to_device(self, tensors: list[tuple[torch.Tensor, torch.dtype]]) -> list[torch.Tensor]:
+        """The step's host tensors on the device, each in its dtype: on CUDA through the pinned
+        staging buffers (one non-blocking copy per dtype, :mod:`engine.step_staging`), elsewhere
+        ``tensor.to(device, dtype)`` (on the CPU mostly no copy at all)."""
+        if self.staging is not None:
+            return self.staging.stage(tensors)
+        return [tensor.to(self.device, dtype) for tensor, dtype in tensors]
 
     def _arange(self, n: int) -> torch.Tensor:
         """``arange(n)`` as a view of one cached host tensor (grown on demand, never written)."""

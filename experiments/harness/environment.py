@@ -3,7 +3,8 @@
 Configs say what was *asked* (``device: auto``, ``prepack: auto``); this says what was *applied*:
 the resolved device and dtype, the performance options the engine actually turned on, the
 attention and cache classes, library versions, the git commit (and whether the tree had local
-changes), the CPU model and thread counts.
+changes), the CPU model and thread counts, and the GPU with its CUDA stack
+(:mod:`experiments.harness.gpu_environment`).
 """
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from experiments.harness.gpu_environment import gpu_environment
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -87,12 +90,14 @@ def _own_options(engine: Any) -> dict[str, Any]:
 
 
 def environment(engine: Any) -> dict[str, Any]:
+    applied = applied_options(engine)
     return {
-        **applied_options(engine),
+        **applied,
         **library_versions(),
         "git": git_commit(),
         "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "platform": platform.platform(),
+        "gpu": gpu_environment(applied["device"]),  # the device the engine (or its server) ran on
     }
