@@ -111,6 +111,7 @@ def test_unknown_strategy_names_are_rejected(group, kwargs):
 
 
 def test_prompt_longer_than_token_budget_without_chunking_is_rejected(tiny_llama_ckpt):
-    llm = LLM(model=str(tiny_llama_ckpt), device="cpu", block_size=4, capacity_tokens=128, max_num_batched_tokens=8)
+    llm = LLM(model=str(tiny_llama_ckpt), device="cpu", block_size=4, capacity_tokens=128, max_num_batched_tokens=8,
+              chunked_prefill=False)
     with pytest.raises(ValueError, match="max_num_batched_tokens=8"):
         llm.add_request(list(range(1, 12)), SamplingParams(max_tokens=2))

@@ -71,6 +71,7 @@ def test_cuda_gets_a_token_budget_by_default():
     """A null max_num_batched_tokens becomes min(max_model_len, 8192) on CUDA and stays null on the
     CPU; an explicit budget is kept everywhere."""
     cfg = engine_config("tiny", "paged", "continuous", "torch_sdpa", "cpu", "float32", "random", 0, {}, {})
+    cfg.scheduler.max_num_batched_tokens = None  # the null budget (conf/scheduler/continuous.yaml sets 256)
     cuda, cpu = torch.device("cuda", 1), torch.device("cpu")
     assert default_token_budget(cfg.scheduler, cuda, 32768) == CUDA_TOKEN_BUDGET == 8192
     assert default_token_budget(cfg.scheduler, cuda, 2048) == 2048
