@@ -1,7 +1,8 @@
 """One run, end to end: build the engine, drive the workload, write every result file.
 
 ``run.py`` is the Hydra entry point around :func:`execute`. A failure anywhere is caught,
-recorded in ``summary.json`` (``"status": "failed"``, the error and its traceback) and
+recorded in ``summary.json`` (``"status": "failed"``, the error, its traceback and, when a server
+the run started failed, its log's tail: ``server_log_tail``) and
 returned, so a multirun keeps going; ``run.py`` re-raises it for single runs.
 """
 from __future__ import annotations
@@ -136,6 +137,8 @@ def execute(cfg: DictConfig, out_dir: Path, choices: dict[str, Any], overrides: 
     except Exception as exc:  # noqa: BLE001 -- recorded, then re-raised by run.py for single runs
         error = exc
         summary.update(status="failed", error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
+        if getattr(exc, "log_tail", None):  # a server the run started failed (experiments/http/server_process.py)
+            summary["server_log_tail"] = exc.log_tail
         log.error("run failed: %s", summary["error"])
     summary["files"] = [p.name for p in files]
     files.append(write_json(summary, out_dir / "summary.json"))

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from engine.sampling_params import SamplingParams
-from engine.tokenizer import encode_chat
+from engine.tokenizer import decode, encode_chat, encode_prompt
 from engine.tokenizer import special_token_ids as tokenizer_special_ids
 from experiments.harness.chat_prompts import prompt_bank
 
@@ -45,6 +45,10 @@ class WorkloadRequest:
         messages: a chat conversation (``{"role", "content"}`` dicts) whose rendering by the
             chat template becomes ``prompt_token_ids`` (:func:`tokenize_requests`); empty for
             token-id workloads.
+        send_as_text: the prompt travels as plain text, as vLLM's benchmark client sends it, so
+            every server tokenizes it itself: :func:`tokenize_requests` decodes the drawn ids to
+            ``text`` and sets ``prompt_token_ids`` to that text's tokenization.
+        text: the plain-text prompt of a ``send_as_text`` request (set by :func:`tokenize_requests`).
     """
 
     request_id: str
@@ -52,20 +56,61 @@ class WorkloadRequest:
     sampling_params: SamplingParams
     arrival_offset_s: float = 0.0
     messages: tuple[dict[str, str], ...] = ()
+    send_as_text: bool = False
+    text: str = ""
 
     @property
     def prompt_text(self) -> str:
-        """What the user wrote: the last message of a chat request ("" for token-id prompts)."""
-        return self.messages[-1]["content"] if self.messages else ""
+        """What the user wrote: the last message of a chat request, a text prompt ("" for token-id prompts)."""
+        return self.messages[-1]["content"] if self.messages else self.text
+
+
+def text_of_length(tokenizer: Any, token_ids: Sequence[int], max_rounds: int = 10) -> tuple[str, list[int]]:
+    """Text whose tokenization is (nearly always exactly) ``len(token_ids)`` tokens, and that tokenization.
+
+    Random ids decoded to text do not re-encode to the same ids (neighbours merge, bytes split),
+    so, like vLLM's random dataset, the ids are adjusted and decoded again: when the text encodes
+    to ``d`` tokens too many, the last ``d`` decoded ids are dropped; ``d`` too few, ``d`` more of
+    the drawn ids are appended (cyclically, so no special id comes in); at most ``max_rounds``
+    rounds. The result is what every server's tokenizer sees, and ``prompt_token_ids`` is set to
+    it, so lengths are counted as served.
+    """
+    target = len(token_ids)
+    ids = list(token_ids)
+    text = decode(tokenizer, ids)
+    encoded = encode_prompt(tokenizer, text)
+    for round_ in range(max_rounds):
+        excess = len(encoded) - target
+        if excess == 0 or not ids:
+            break
+        if excess > 0:
+            ids = encoded[:target]
+        else:
+            ids = encoded + [token_ids[(round_ + k) % target] for k in range(-excess)]
+        text = decode(tokenizer, ids)
+        encoded = encode_prompt(tokenizer, text)
+    return text, encoded
 
 
 def tokenize_requests(requests: Sequence[WorkloadRequest], tokenizer: Any | None) -> list[WorkloadRequest]:
-    """Chat requests with their messages rendered through the chat template into token ids;
-    token-id requests unchanged. ``ValueError`` if chat requests meet a model without a tokenizer."""
+    """Chat requests with their messages rendered through the chat template into token ids; text
+    requests (``send_as_text``) with their text and its tokenization (:func:`text_of_length`);
+    token-id requests unchanged. ``ValueError`` if chat or text requests meet a model without a tokenizer."""
     if any(r.messages for r in requests) and tokenizer is None:
         raise ValueError("the chat workload needs a model with a tokenizer and chat template "
                          "(e.g. model=smollm2-135m-instruct)")
-    return [replace(r, prompt_token_ids=encode_chat(tokenizer, r.messages)) if r.messages else r for r in requests]
+    if any(r.send_as_text for r in requests) and tokenizer is None:
+        raise ValueError("workload.prompt_format=text needs a model with a tokenizer (e.g. model=smollm2-135m-instruct); "
+                         "use workload.prompt_format=token_ids for a model without one")
+    out = []
+    for r in requests:
+        if r.messages:
+            r = replace(r, prompt_token_ids=encode_chat(tokenizer, r.messages))
+        elif r.send_as_text and not r.text:
+            text, ids = text_of_length(tokenizer, r.prompt_token_ids)
+            r = replace(r, prompt_token_ids=ids, text=text)
+        out.append(r)
+    return out
 
 
 class TokenSampler:
@@ -106,8 +151,8 @@ def warmup_requests(vocab_size: int, special_ids: Sequence[int], count: int, pro
     ]
 
 
-def _params(max_tokens: int, ignore_eos: bool, temperature: float) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, temperature=temperature)
+def _params(max_tokens: int, ignore_eos: bool, temperature: float, top_p: float = 1.0, top_k: int = 0) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, temperature=temperature, top_p=top_p, top_k=top_k)
 
 
 def with_priority_classes(
@@ -142,13 +187,15 @@ def uneven_requests(
     max_tokens_range: tuple[int, int],
     ignore_eos: bool,
     temperature: float,
+    top_p: float = 1.0,
+    top_k: int = 0,
 ) -> list[WorkloadRequest]:
     """One request per arrival offset, prompt length and ``max_tokens`` uniform in their inclusive ranges."""
     requests = []
     for i, offset in enumerate(arrival_offsets):
         prompt = sampler.tokens(sampler.integer(*prompt_len_range))
         max_tokens = sampler.integer(*max_tokens_range)
-        requests.append(WorkloadRequest(_name(i), prompt, _params(max_tokens, ignore_eos, temperature), offset))
+        requests.append(WorkloadRequest(_name(i), prompt, _params(max_tokens, ignore_eos, temperature, top_p, top_k), offset))
     return requests
 
 
@@ -162,6 +209,8 @@ def four_prompts(
     long_first: bool = False,
     ignore_eos: bool = True,
     temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
 ) -> list[WorkloadRequest]:
     """Three short answers and one long one, all at t=0 (pico-vllm's naive-vs-continuous case).
 
@@ -174,7 +223,7 @@ def four_prompts(
     if long_first:
         max_tokens = max_tokens[::-1]
     return [
-        WorkloadRequest(_name(i), sampler.tokens(prompt_len), _params(n, ignore_eos, temperature))
+        WorkloadRequest(_name(i), sampler.tokens(prompt_len), _params(n, ignore_eos, temperature, top_p, top_k))
         for i, n in enumerate(max_tokens)
     ]
 
@@ -191,6 +240,8 @@ def burst(
     max_max_tokens: int = 64,
     ignore_eos: bool = True,
     temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
     interactive_fraction: float = 0.0,
 ) -> list[WorkloadRequest]:
     """``requests_per_slot * concurrency`` requests at t=0 with uneven prompts and lengths (mini-vllm's benchmark).
@@ -201,7 +252,7 @@ def burst(
     sampler = TokenSampler(vocab_size, special_token_ids, seed)
     offsets = [0.0] * (requests_per_slot * concurrency)
     requests = uneven_requests(sampler, offsets, (min_prompt_len, max_prompt_len), (min_max_tokens, max_max_tokens),
-                               ignore_eos, temperature)
+                               ignore_eos, temperature, top_p, top_k)
     return with_priority_classes(requests, interactive_fraction, seed)
 
 
@@ -231,6 +282,8 @@ def poisson(
     max_max_tokens: int = 64,
     ignore_eos: bool = True,
     temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
     interactive_fraction: float = 0.0,
     system_prompt_len: int = 0,
 ) -> list[WorkloadRequest]:
@@ -243,7 +296,7 @@ def poisson(
     sampler = TokenSampler(vocab_size, special_token_ids, seed)
     offsets = gamma_arrival_offsets(num_requests, rate, burstiness, np.random.default_rng([seed, 1]))
     requests = uneven_requests(sampler, offsets, (min_prompt_len, max_prompt_len), (min_max_tokens, max_max_tokens),
-                               ignore_eos, temperature)
+                               ignore_eos, temperature, top_p, top_k)
     if system_prompt_len > 0:
         system = TokenSampler(vocab_size, special_token_ids, seed + 1_000_003).tokens(system_prompt_len)
         requests = [dataclasses.replace(r, prompt_token_ids=system + r.prompt_token_ids) for r in requests]
@@ -263,6 +316,8 @@ def shared_prefix(
     leader_lead_s: float = 0.0,
     ignore_eos: bool = True,
     temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
 ) -> list[WorkloadRequest]:
     """One ``prefix_len``-token system prompt shared by every user plus a short question each
     (nano-vLLM's prefix-caching case). Users arrive ``arrival_interval_s`` apart (0 = together),
@@ -276,7 +331,7 @@ def shared_prefix(
         WorkloadRequest(
             _name(i),
             system_prompt + sampler.tokens(sampler.integer(min_question_len, max_question_len)),
-            _params(max_tokens, ignore_eos, temperature),
+            _params(max_tokens, ignore_eos, temperature, top_p, top_k),
             i * arrival_interval_s + (leader_lead_s if i > 0 else 0.0),
         )
         for i in range(num_users)
@@ -292,11 +347,13 @@ def long_context(
     max_tokens: int = 32,
     ignore_eos: bool = True,
     temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
 ) -> list[WorkloadRequest]:
     """A few users with long contexts, all at t=0: decode cost per 1,000 context tokens."""
     sampler = TokenSampler(vocab_size, special_token_ids, seed)
     return [
-        WorkloadRequest(_name(i), sampler.tokens(context_len), _params(max_tokens, ignore_eos, temperature))
+        WorkloadRequest(_name(i), sampler.tokens(context_len), _params(max_tokens, ignore_eos, temperature, top_p, top_k))
         for i in range(num_users)
     ]
 
@@ -313,6 +370,8 @@ def chat(
     system_prompt: str | None = None,
     ignore_eos: bool = False,
     temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
 ) -> list[WorkloadRequest]:
     """``num_requests`` prompts drawn (seeded, without repeats while the bank lasts) from
     servelab's chat prompt bank, arriving at ``rate`` req/s (``inf``: all at t=0; see
@@ -329,7 +388,7 @@ def chat(
     offsets = gamma_arrival_offsets(num_requests, rate, burstiness, np.random.default_rng([seed, 1]))
     system = ({"role": "system", "content": system_prompt},) if system_prompt else ()
     return [
-        WorkloadRequest(_name(i), [], _params(max_tokens, ignore_eos, temperature), offset,
+        WorkloadRequest(_name(i), [], _params(max_tokens, ignore_eos, temperature, top_p, top_k), offset,
                         messages=(*system, {"role": "user", "content": bank[pick]}))
         for i, (pick, offset) in enumerate(zip(picks, offsets))
     ]

@@ -18,8 +18,9 @@ and ``vllm/benchmarks/serve.py``):
   the stream, or a stream without any token chunk; failures are counted with their reason and
   left out of every latency statistic.
 
-Prompts are token ids (completions endpoint) or, for the chat endpoint, messages: a chat
-workload's conversation, or a token-id prompt decoded with the model's tokenizer as one user message.
+Prompts are token ids or, for a text workload (``workload.prompt_format=text``), text (completions
+endpoint), or, for the chat endpoint, messages: a chat workload's conversation, or a prompt's text
+(a token-id prompt decoded with the model's tokenizer) as one user message.
 """
 from __future__ import annotations
 
@@ -116,7 +117,7 @@ def request_payload(target: HTTPTarget, request: WorkloadRequest,
         payload["messages"] = messages
         payload["max_completion_tokens"] = params.max_tokens
     else:
-        payload["prompt"] = list(request.prompt_token_ids)
+        payload["prompt"] = request.text or list(request.prompt_token_ids)   # a text prompt goes as text
         payload["max_tokens"] = params.max_tokens
     if params.ignore_eos:
         payload["ignore_eos"] = True     # vLLM's extension (as `vllm bench serve` sends it)

@@ -35,7 +35,7 @@ from experiments.harness.driver import DriveResult
 from experiments.harness.environment import APPLIED_LOG_PREFIX
 from experiments.http.client import HTTPTarget, drive_result, run_load, warm_up
 from experiments.harness.metrics import SLO
-from experiments.http.server_process import ServerProcess, free_loopback_port, server_config, start_serve_py
+from experiments.http.server_process import ServerError, ServerProcess, free_loopback_port, server_config, start_serve_py
 from experiments.http.scrape import MetricsSampler
 from experiments.http.vllm_bench import vllm_bench_result
 from experiments.harness.workloads import WorkloadRequest
@@ -99,9 +99,10 @@ class OpenAIEngine:
         a token-id prompt decoded with the model's tokenizer as one user message)."""
         if self.target.endpoint != "chat":
             return {}
-        if any(not r.messages for r in requests):
+        if any(not r.messages and not r.text for r in requests):
             require_tokenizer(self.tokenizer, "engine.endpoint=chat with a token-id workload")
-        return {r.request_id: list(r.messages) or [{"role": "user", "content": decode(self.tokenizer, r.prompt_token_ids)}]
+        return {r.request_id: list(r.messages)
+                or [{"role": "user", "content": r.text or decode(self.tokenizer, r.prompt_token_ids)}]
                 for r in requests}
 
     def drive(self, requests: Sequence[WorkloadRequest], max_concurrency: int | None,
@@ -128,7 +129,8 @@ class OpenAIEngine:
         all_at_once = all(r.arrival_offset_s == 0 for r in requests)
         result.extra_json["vllm_bench.json"] = vllm_bench_result(
             run.outcomes, run.wall_s, backend=self.backend_names[self.target.endpoint], model_id=self.target.model,
-            tokenizer_id=str(self.checkpoint), request_rate=workload.get("rate", "inf" if all_at_once else None),
+            tokenizer_id=str(self.checkpoint),
+            request_rate=workload.get("request_rate", workload.get("rate", "inf" if all_at_once else None)),
             burstiness=workload.get("burstiness", 1.0), max_concurrency=max_concurrency,
             slo=SLO(**OmegaConf.to_container(self.cfg.slo, resolve=True)) if "slo" in self.cfg else SLO(),
         )
@@ -153,7 +155,7 @@ class StartedServerEngine(OpenAIEngine):
     def close(self) -> None:
         code = self.process.stop()
         if code not in (0, None):
-            raise RuntimeError(f"{self.process.name} exited with code {code}:\n{self.process.log_tail()}")
+            raise ServerError(f"{self.process.name} exited with code {code}", self.process.log_tail())
 
 
 class ServelabHTTPEngine(StartedServerEngine):

@@ -12,6 +12,11 @@ server with exactly the run's strategy config: the composed groups (model, cache
 attention), the engine's performance options, device, dtype and seed are written, resolved, into
 ``server_config.yaml`` in the run folder, and ``serve.py`` is started on that file
 (``--config-path/--config-name``), so every override of the run applies to the server too.
+
+Peers (llama.cpp, vLLM) start their own servers the same way: ``env`` adds variables to the
+server's environment (vLLM's CPU settings), ``cwd`` is where it runs. A server that fails to
+start, or exits with an error, raises :class:`ServerError`, whose ``log_tail`` the run's
+``summary.json`` records (``server_log_tail``).
 """
 from __future__ import annotations
 
@@ -30,6 +35,15 @@ from omegaconf import DictConfig, OmegaConf
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 STRATEGY_GROUPS = ("model", "cache", "scheduler", "attention")
+
+
+class ServerError(RuntimeError):
+    """A server exited (at startup or with an error) or never became healthy; ``log_tail`` is the end of its log."""
+
+    def __init__(self, message: str, log_tail: str) -> None:
+        super().__init__(f"{message}:\n{log_tail}")
+        self.reason = message
+        self.log_tail = log_tail
 
 
 def free_loopback_port() -> int:
@@ -66,7 +80,7 @@ class ServerProcess:
     """A running server (``command``, listening on 127.0.0.1:``port``); a context manager, or call :meth:`stop`."""
 
     def __init__(self, command: list[str], port: int, log_path: Path, startup_timeout_s: float,
-                 stop_timeout_s: float) -> None:
+                 stop_timeout_s: float, env: dict[str, str] | None = None, cwd: Path = REPO_ROOT) -> None:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self.command = command
         self.name = Path(command[1] if command[0] == sys.executable else command[0]).name
@@ -77,8 +91,8 @@ class ServerProcess:
         self.log = log_path.open("w")
         self.log.write(f"$ {shlex.join(command)}\n")
         self.log.flush()
-        self.process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=self.log, stderr=subprocess.STDOUT,
-                                        env=dict(os.environ), start_new_session=True)
+        self.process = subprocess.Popen(command, cwd=cwd, stdout=self.log, stderr=subprocess.STDOUT,
+                                        env={**os.environ, **(env or {})}, start_new_session=True)
         try:
             self.wait_healthy(startup_timeout_s)
         except BaseException:
@@ -89,7 +103,8 @@ class ServerProcess:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with code {self.process.returncode} during startup:\n{self.log_tail()}")
+                raise ServerError(f"{self.name} exited with code {self.process.returncode} during startup",
+                                       self.log_tail())
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as response:
                     if response.status == 200:
@@ -97,10 +112,11 @@ class ServerProcess:
             except OSError:
                 pass
             time.sleep(0.25)
-        raise TimeoutError(f"{self.name} was not healthy after {timeout_s:.0f} s:\n{self.log_tail()}")
+        raise ServerError(f"{self.name} was not healthy after {timeout_s:.0f} s", self.log_tail())
 
     def log_tail(self, lines: int = 20) -> str:
-        self.log.flush()
+        if not self.log.closed:
+            self.log.flush()
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
     def stop(self) -> int | None:
