@@ -26,7 +26,7 @@ from experiments.results.files import (
     requests_frame, sample_answers, steps_frame, summary_markdown, summary_table, write_csv, write_file, write_json,
     write_text_file,
 )
-from experiments.harness.workloads import special_token_ids, tokenize_requests, warmup_requests
+from experiments.harness.workloads import instantiate_workload, special_token_ids, tokenize_requests, warmup_requests
 
 log = logging.getLogger(__name__)
 LABEL_GROUPS = ("engine", "model", "cache", "scheduler", "attention", "workload")
@@ -83,7 +83,7 @@ def _measure(cfg: DictConfig, out_dir: Path, summary: dict[str, Any]) -> list[Pa
             summary["run"]["timing"] = summary["simulation"]["timing"]
         tokenizer = getattr(engine, "tokenizer", None)
         special = special_token_ids(model_config, tokenizer)
-        requests = instantiate(cfg.workload, vocab_size=model_config.vocab_size, special_token_ids=special)
+        requests = instantiate_workload(cfg.workload, model_config.vocab_size, special, tokenizer)
         requests = tokenize_requests(requests, tokenizer)
         warmup = warmup_requests(model_config.vocab_size, special, cfg.driver.warmup_requests)
         if hasattr(engine, "drive"):  # HTTP load clients send the workload themselves (experiments/http/engines.py)

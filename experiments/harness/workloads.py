@@ -15,17 +15,21 @@ The same ``(parameters, seed, vocab_size, special ids)`` always gives the same r
 engines fed the same workload see byte-identical prompts.
 
 Generators are picked by ``conf/workload/*.yaml`` through ``_target_`` and called as
-``hydra.utils.instantiate(cfg.workload, vocab_size=..., special_token_ids=...)``, then
-:func:`tokenize_requests` with the engine's tokenizer.
+``hydra.utils.instantiate(cfg.workload, vocab_size=..., special_token_ids=...)``
+(:func:`instantiate_workload`; a generator with a ``tokenizer`` parameter, a text workload such as
+``dataset``, also gets the engine's tokenizer), then :func:`tokenize_requests` with the engine's
+tokenizer.
 """
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
+from hydra.utils import get_method, instantiate
 
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import decode, encode_chat, encode_prompt
@@ -111,6 +115,13 @@ def tokenize_requests(requests: Sequence[WorkloadRequest], tokenizer: Any | None
             r = replace(r, prompt_token_ids=ids, text=text)
         out.append(r)
     return out
+
+
+def instantiate_workload(workload_cfg: Any, vocab_size: int, special_ids: Sequence[int], tokenizer: Any | None) -> Any:
+    """Call the workload's ``_target_`` with the model's vocabulary size and special ids, and its
+    tokenizer (``None`` for models without one) when the generator takes a ``tokenizer``."""
+    extra = {"tokenizer": tokenizer} if "tokenizer" in inspect.signature(get_method(workload_cfg._target_)).parameters else {}
+    return instantiate(workload_cfg, vocab_size=vocab_size, special_token_ids=special_ids, **extra)
 
 
 class TokenSampler:
