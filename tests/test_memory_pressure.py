@@ -52,7 +52,8 @@ def test_shared_prefix_is_prefilled_once(long_context_ckpt):
     shared = [rng.randrange(3, 256) for _ in range(500)]
     prompts = [shared + [rng.randrange(3, 256) for _ in range(rng.randint(5, 12))] for _ in range(4)]
     params = SamplingParams(max_tokens=4, ignore_eos=True)
-    llm = LLM(model=str(long_context_ckpt), cache="prefix", device="cpu", block_size=16, capacity_tokens=4096)
+    llm = LLM(model=str(long_context_ckpt), cache="prefix", device="cpu", block_size=16, capacity_tokens=4096,
+              max_num_batched_tokens=4096, chunked_prefill=False)  # the first prompt in one step
 
     first = llm.add_request(prompts[0], params)
     llm.step()  # the first user's prefill publishes the 31 full blocks of the shared prompt
