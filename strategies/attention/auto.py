@@ -5,7 +5,8 @@ size and what is installed); a user should not have to know the backend's name t
 path. The choice, from measurements in this repository:
 
 * CPU, float32: ``cpu_paged`` (the C kernel that reads the paged cache in place; docs/performance.md
-  section 9.1: 1.5x / 1.2x / 1.3x faster decode steps at batch 1 / 8 / 32 than ``torch_sdpa``), when
+  section 3.4; with the fused ops and skinny GEMM that came with it, decode steps were 1.5x / 1.2x /
+  1.3x faster at batch 1 / 8 / 32 than with ``torch_sdpa``, section 7), when
   its kernel compiles; without a C compiler it warns and falls back to ``torch_sdpa``.
 * CUDA: ``torch_sdpa``. ``triton_paged`` is the in-place kernel for CUDA, but no GPU result is
   recorded yet (the GPU check, ``python -m experiments.bench.gpu_check``, docs/gpu.md, checks
