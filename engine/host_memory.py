@@ -7,7 +7,7 @@ page-faults and zeroes the same megabytes again. PyTorch's CPU performance guide
 backend recommend jemalloc or tcmalloc for this reason; with glibc the same effect is three
 ``mallopt`` settings: serve blocks up to 32 MiB from the heap (``M_MMAP_THRESHOLD``), never trim
 the heap (``M_TRIM_THRESHOLD = -1``) and grow it 64 MiB at a time (``M_TOP_PAD``). Measured on the
-c=32 burst (docs/performance.md, 9.4): the first (2,455-token) prefill step 5.2-6.0 s -> 4.3-4.5 s.
+c=32 burst (docs/performance.md, section 3.6): the first (2,455-token) prefill step 5.2-6.0 s -> 4.3-4.5 s.
 
 The cost: the process keeps its peak heap instead of returning it, as a server that preallocates
 would. The settings are process-wide (anything else running in the process, e.g. the HF peers
@@ -18,7 +18,7 @@ reports False and changes nothing.
 a buffer on 2 MiB-aligned memory advised as transparent huge pages (``madvise(MADV_HUGEPAGE)``;
 the kernel's THP mode ``madvise`` or ``always``), so a 538 MB stream of packed weights crosses
 ~270 pages instead of ~131,000 and the TLB stops missing on every 4 KiB (docs/performance.md,
-section 11).
+section 3.3).
 """
 from __future__ import annotations
 

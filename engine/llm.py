@@ -90,8 +90,9 @@ class LLM:
             keeps its peak heap). ``True`` requires glibc, ``False`` leaves ``malloc`` alone.
         cuda_graphs: performance option. ``True`` replays decode-only steps as CUDA graphs
             (captured per padded batch size and context bucket, see ``engine/cuda_graphs.py``);
-            CUDA only, ignored elsewhere. ``False`` (default until checked on a GPU by
-            ``scripts/gpu_check.sh``) runs every step eagerly.
+            CUDA only, ignored elsewhere. ``False`` (the default until the GPU check's ``graphs``
+            part, ``python -m experiments.bench.gpu_check``, docs/gpu.md, has passed on a GPU) runs
+            every step eagerly.
     """
 
     def __init__(

@@ -4,7 +4,7 @@ With the projections in the skinny GEMM and the elementwise work in the fused ke
 left of a batch-1 decode step besides the weight stream is Python: per layer ~15 operations
 (module calls, the kernels' wrappers, ctypes argument conversion, a tensor allocation per
 output), ~70 us a layer, ~2 ms of SmolLM2-135M's ~17 ms step on one core, and on two threads a
-part that only one core runs (docs/performance.md, section 11). :class:`NativeLayers` runs the
+part that only one core runs (docs/performance.md, section 3.1). :class:`NativeLayers` runs the
 same kernels in the same order from C instead: one ctypes call per layer, one allocation of
 scratch buffers per step for all layers, so the arithmetic is the Python path's exactly
 (``tests/test_optimizations.py`` checks bit-equal logits).

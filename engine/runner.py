@@ -150,7 +150,7 @@ class ModelRunner:
         so a mixed step is usually two runs. Attending per run keeps the decode rows on the
         backend's unpadded decode path; in one padded call every decode row would be padded to
         the longest prompt (31 decodes + one 124-token prompt, SmolLM2-135M on 2 CPU cores: 1130 ms
-        -> 581 ms per step; docs/performance.md).
+        -> 581 ms per step; docs/performance.md, section 3.7).
         Returns ``None`` when splitting does not pay (a single run, or runs shorter than
         ``min_decode_run`` decode sequences): the rule is :func:`engine.step_shape.attention_runs`,
         which the step shape also uses to count the padded attention pairs.

@@ -5,7 +5,7 @@ block for large matrices; this kernel repacks each weight once into panels of 3 
 output columns and runs a register tile of 8 rows x 48 columns with AVX-512 (4 x 24 with AVX2),
 prefetching the next panel while the row tiles compute. With AVX2 it measured 1.2-1.6x faster
 than oneDNN's prepacked linear up to 24 rows; with AVX-512, 1.1-1.5x faster up to 128 rows over
-the 30 layers' shapes with weights streamed from memory (docs/performance.md, sections 9 and 10).
+the 30 layers' shapes with weights streamed from memory (docs/performance.md, sections 3.2 and 7).
 So :class:`~engine.weight_copies.Linear` uses it up to :attr:`SkinnyGemm.max_rows` rows (the crossover
 measured for the build's tile: 128 with AVX-512, 32 with AVX2) and oneDNN above.
 Float32 CPU only; compiled on first use like the other C kernels (``engine/native.py``).

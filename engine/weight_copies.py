@@ -73,7 +73,7 @@ class WeightCopies:
     ``min_rows`` rows (default 1) through the oneDNN-prepacked weight: on this project's CPUs
     (AMD EPYC, MKL sgemm) oneDNN measured 1.3-2.3x faster than ``F.linear`` for 8-32 rows, and the
     skinny GEMM 1.1-1.7x faster than oneDNN up to 32 rows with AVX2 and up to 128 rows with AVX-512
-    (docs/performance.md, sections 2, 8, 9, 10): every decode batch of the schedulers' default
+    (docs/performance.md, sections 3.2, 3.3 and 7): every decode batch of the schedulers' default
     ``max_num_seqs`` (32) takes it; prompts of more rows take oneDNN. A weight with GGUF blocks
     serves inputs of at most ``QuantizedGemm.max_rows`` rows from its Q4_1 / Q8_0 blocks first
     (:mod:`engine.quantized_gemm`). Every projection (:class:`Linear`) and the LM head has one.

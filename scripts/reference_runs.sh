@@ -5,9 +5,9 @@
 # weights, float32; length-controlled workloads with ignore_eos); online_serving, http_overhead and
 # peer_benchmark run on the real model (smollm2-135m-instruct, its GGUF weights: llama.cpp serves
 # the same file); gpu_scale and gpu_scale_l4 run the simulator on datasheet GPU presets.
-# simulator_calibration fits conf/hardware/cpu-1thread.yaml from three runs of the real engine;
-# simulator_validation then checks that fit against the real engine, and simulator_speed times the
-# simulator. Any other conf/experiment/ name runs as the first group does.
+# simulator_calibration runs the calibration suite (conf/calibration/suite.yaml: seven short runs of the
+# real engine) and fits conf/hardware/cpu-1thread.yaml on them; simulator_validation then checks that
+# fit against the real engine, and simulator_speed times the simulator. Any other conf/experiment/ name runs as the first group does.
 # Usage: scripts/reference_runs.sh [experiment ...]   (default: all, in the order below).
 # An existing folder is kept and its experiment skipped, with a message: remove the folder first to
 # rerun (nothing is overwritten silently). simulator_calibration also keeps an existing
@@ -17,6 +17,7 @@ cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 OUT=results/reference
 CALIBRATION=cpu-1thread   # conf/hardware/<this>.yaml: written by simulator_calibration, used by simulator_validation
+SUITE_RUNS=results/runs/calibration_suite-$CALIBRATION   # where the suite writes its runs (moved into the folder after the fit)
 all=(naive_vs_continuous squeezed_pool prefix_sharing memory_pressure block_size_sweep decode_scaling
   concurrency_sweep shared_prefix_attention online_serving http_overhead peer_benchmark roofline
   simulator_calibration simulator_validation simulator_speed gpu_scale gpu_scale_l4)
@@ -31,21 +32,13 @@ sweep() {
   $PY run.py +experiment="$experiment" "$@" hydra.sweep.dir="$OUT/$folder" driver.progress=false
 }
 
-# Three calibration runs of the real engine (one OpenMP thread): decode batches from 16 down to 1
-# with prompts of 16-512 tokens (c = 16), long runs of 1-2 sequences (c = 2), and decode steps
-# whose sequences share a 384-token prefix in the prefix cache (a leader computes it, 15 users
-# arrive together 1 s later and hit it); then the fit of all three into conf/hardware/$CALIBRATION.yaml.
+# The calibration suite (one OpenMP thread, set by the plan): decode batches of 1 to 32, long
+# contexts, whole prompts, prefill chunks of two budgets, shared prefix-cache blocks and preemption,
+# then the fit of all its runs into conf/hardware/$CALIBRATION.yaml; the runs move into the folder.
 simulator_calibration() {
-  local cal=$OUT/simulator_calibration
-  OMP_NUM_THREADS=1 $PY run.py model=smollm2-135m workload=burst workload.concurrency=16 workload.max_prompt_len=512 \
-    driver.progress=false hydra.run.dir="$cal/smollm2-burst-c16-p512"
-  OMP_NUM_THREADS=1 $PY run.py model=smollm2-135m workload=burst workload.concurrency=2 workload.requests_per_slot=4 \
-    workload.max_prompt_len=512 driver.progress=false hydra.run.dir="$cal/smollm2-burst-c2-p512"
-  OMP_NUM_THREADS=1 $PY run.py model=smollm2-135m cache=prefix workload=shared_prefix workload.num_users=16 \
-    workload.prefix_len=384 workload.arrival_interval_s=0.03 workload.leader_lead_s=1.0 workload.max_tokens=48 \
-    driver.progress=false hydra.run.dir="$cal/smollm2-shared-prefix-u16"
-  $PY -m experiments.calibration.calibrate "$cal/smollm2-burst-c16-p512" "$cal/smollm2-burst-c2-p512" \
-    "$cal/smollm2-shared-prefix-u16" --name "$CALIBRATION" --note "OMP_NUM_THREADS=1; scripts/reference_runs.sh simulator_calibration"
+  [ ! -e "$SUITE_RUNS" ] || { echo "$SUITE_RUNS exists: remove it to rerun the calibration suite" >&2; exit 2; }
+  $PY -m experiments.calibration.calibrate --suite --name "$CALIBRATION" --note "scripts/reference_runs.sh simulator_calibration"
+  mv "$SUITE_RUNS" "$OUT/simulator_calibration"
 }
 
 # The simulator's speed: the 10,000-request H100 command and a 20-point concurrency sweep (1,000

@@ -4,7 +4,7 @@ Caches are filled with NaN everywhere except the cached context, so any read out
 sequence's context (padding, stale slots, other sequences' blocks) shows up as NaN in the
 output. The ``test_triton_kernel_*`` cases run natively on CUDA; on CPU they need Triton's
 interpreter, which must be enabled before triton is first imported: ``tests/conftest.py``
-sets ``TRITON_INTERPRET=1`` for the session on machines without CUDA (only triton reads it).
+sets ``TRITON_INTERPRET=1`` for the pytest session on machines without CUDA (only triton reads it).
 """
 from __future__ import annotations
 

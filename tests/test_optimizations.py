@@ -102,7 +102,7 @@ def test_prepacked_logits_close_to_plain(odd_ckpt):
 @needs_onednn
 def test_packed_linear_serves_one_and_many_rows_and_min_rows_falls_back(tiny_llama_ckpt):
     """Packed for every row count by default (1 row included: faster once weights are cold,
-    docs/performance.md section 8); below ``min_rows`` the plain ``F.linear`` runs, bit-equal."""
+    docs/performance.md section 3.3); below ``min_rows`` the plain ``F.linear`` runs, bit-equal."""
     llm = build(tiny_llama_ckpt, prepack=True)
     layer = llm.model.layers[0].mlp.gate_up_proj
     assert layer.min_rows == 1 and llm.model.logits_head.min_rows == 1

@@ -9,7 +9,7 @@
  * (contiguous ranges, so each core streams its own part of the weights); every row tile of x
  * reuses the panel while it is in L1/L2. This is the BLIS/oneDNN recipe specialised to M <= a
  * few dozen rows, where a general GEMM's blocking for large M wastes the machine
- * (docs/performance.md, sections 9 and 10).
+ * (docs/performance.md, section 3.2).
  *
  * Vector width follows the compiler's target (-march=native): with AVX-512 a vector is 16
  * floats and the tile 8 x 48 (24 accumulators of the 32 vector registers); with AVX2 8 floats
@@ -48,7 +48,7 @@ static inline vecf vload(const float *source) {
 static inline vecf vbroadcast(float value) { return (vecf){0} + value; }
 
 /* Most rows for which this build measured faster than oneDNN's prepacked linear with weights
- * streamed from memory (docs/performance.md, section 10): the 8 x 48 AVX-512 tile up to 128 rows
+ * streamed from memory (docs/performance.md, section 3.2): the 8 x 48 AVX-512 tile up to 128 rows
  * (oneDNN wins again only for prompt-sized inputs), the 4 x 24 AVX2 tile up to 32 (equal there). */
 int64_t gemm_max_rows(void) { return MR == 8 ? 128 : 32; }
 

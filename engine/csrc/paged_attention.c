@@ -17,7 +17,7 @@
  * sum, accumulators rescaled: an online softmax across chunks); the values are accumulated
  * with a SHARE x DIM_SLICE register tile over the whole chunk, each value vector loaded once
  * for the SHARE queries. The K / V lines are requested one tile ahead, a KV head at a time, so
- * that the requests trickle out while the tile computes (docs/performance.md, section 11).
+ * that the requests trickle out while the tile computes (docs/performance.md, section 3.4).
  * Items are independent and run in parallel on the OpenMP runtime that torch already loaded
  * (same libgomp soname), so the kernel shares torch's threads instead of starting a second pool.
  *

@@ -10,7 +10,7 @@
    servelab's skinny GEMM, the paths the engine can take). Both are best cases by definition,
    so that no engine path can beat the bound. Both are probed again after each batch size's
    steps and the best probes are used: on a host whose speed drifts (a shared VM: the same read
-   ran at 28-34 and at 70-75 GB/s minutes apart, docs/performance.md, 11), a probe taken in a
+   ran at 28-34 and at 70-75 GB/s minutes apart, docs/performance.md, section 2), a probe taken in a
    slow minute would make a bound that the steps of a fast minute beat.
 2. For each batch size ``B``: starts ``B`` requests with ``--context`` prompt tokens, runs their
    prefill, then times ``--steps`` engine decode steps (``LLM.step()``: scheduler, runner,

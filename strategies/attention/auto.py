@@ -5,11 +5,13 @@ size and what is installed); a user should not have to know the backend's name t
 path. The choice, from measurements in this repository:
 
 * CPU, float32: ``cpu_paged`` (the C kernel that reads the paged cache in place; docs/performance.md
-  section 9.1: 1.5x / 1.2x / 1.3x faster decode steps at batch 1 / 8 / 32 than ``torch_sdpa``), when
+  section 3.4; with the fused ops and skinny GEMM that came with it, decode steps were 1.5x / 1.2x /
+  1.3x faster at batch 1 / 8 / 32 than with ``torch_sdpa``, section 7), when
   its kernel compiles; without a C compiler it warns and falls back to ``torch_sdpa``.
-* CUDA: ``torch_sdpa``. ``triton_paged`` is the in-place kernel for CUDA, but no GPU run of
-  ``scripts/gpu_check.sh`` (which times both side by side) has been recorded yet, so the
-  measured-safe choice stays; change ``CUDA_CHOICE`` when that measurement says otherwise.
+* CUDA: ``torch_sdpa``. ``triton_paged`` is the in-place kernel for CUDA, but no GPU result is
+  recorded yet (the GPU check, ``python -m experiments.bench.gpu_check``, docs/gpu.md, checks
+  ``triton_paged``'s logits against HF; nothing has timed it against ``torch_sdpa`` on a GPU), so
+  the measured-safe choice stays; change ``CUDA_CHOICE`` when such a measurement says otherwise.
 * Anything else (bfloat16 / float16 on CPU, MPS): ``torch_sdpa``, the backend that runs everywhere.
 
 The backend actually built is recorded in ``summary.json`` (``environment.attention_backend``).
@@ -26,7 +28,7 @@ from engine.native import NativeKernelUnavailable
 from strategies.attention.cpu_paged import CpuPagedBackend
 from strategies.attention.torch_sdpa import TorchSDPABackend
 
-CUDA_CHOICE = TorchSDPABackend  # scripts/gpu_check.sh measures triton_paged against it
+CUDA_CHOICE = TorchSDPABackend  # until a GPU measurement of triton_paged against it says otherwise
 
 
 def preferred_backend(device: torch.device, dtype: torch.dtype) -> type:

@@ -3,7 +3,7 @@
 The gather backends (``torch_sdpa``, ``eager``) copy every sequence's whole context out of the
 block-table pages into a padded dense tensor in every layer, then run dense attention on it —
 on a 2-core CPU that copy plus the padded SDPA call was ~30% of a decode step at batch 32
-(docs/performance.md). This backend is the CPU counterpart of ``triton_paged`` and of vLLM's CPU
+(docs/performance.md, section 3.4). This backend is the CPU counterpart of ``triton_paged`` and of vLLM's CPU
 ``paged_attention``: like a process reading memory through its page table, the kernel resolves
 each key position ``t`` to ``block_tables[seq, t // block_size]`` and reads that page's K/V rows
 where they lie. Memory traffic per layer is one read of the context, nothing is written but the

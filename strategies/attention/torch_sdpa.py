@@ -17,7 +17,7 @@ Per step, not per layer: the gather's slot indices and the mask (passed to SDPA 
 from the step's cached :class:`~strategies.attention.gather.StepLayout`. A decode-specialised
 matmul / softmax / matmul path instead of SDPA was measured and rejected: on an uncontended
 CPU the flash kernel was faster at B = 1 / 8 / 32 and contexts 128 / 1024 (docs/performance.md,
-section 8).
+section 4).
 """
 from __future__ import annotations
 
