@@ -20,7 +20,7 @@ CALIBRATION=cpu-1thread   # conf/hardware/<this>.yaml: written by simulator_cali
 SUITE_RUNS=results/runs/calibration_suite-$CALIBRATION   # where the suite writes its runs (moved into the folder after the fit)
 all=(naive_vs_continuous squeezed_pool prefix_sharing memory_pressure block_size_sweep decode_scaling
   concurrency_sweep shared_prefix_attention online_serving http_overhead peer_benchmark roofline
-  simulator_calibration simulator_validation simulator_speed gpu_scale gpu_scale_l4)
+  simulator_calibration simulator_validation simulator_validation_regimes simulator_speed gpu_scale gpu_scale_l4)
 experiments=("$@")
 [ ${#experiments[@]} -gt 0 ] || experiments=("${all[@]}")
 mkdir -p "$OUT"
@@ -80,6 +80,7 @@ for name in "${experiments[@]}"; do
         driver.max_concurrency=64,512 ;;
     simulator_calibration) simulator_calibration ;;
     simulator_validation) OMP_NUM_THREADS=1 sweep "$name" "$name" hardware="$CALIBRATION" ;;
+    simulator_validation_regimes) OMP_NUM_THREADS=1 sweep "$name" "$name" ;;  # on cpu-1thread and cpu-1thread-one-burst
     simulator_speed) simulator_speed ;;
     *) sweep "$name" "$name" model=smollm2-135m ;;
   esac
