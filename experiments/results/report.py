@@ -130,12 +130,17 @@ def strategy_label(row: pd.Series, columns: Sequence[str]) -> str:
     return " / ".join(parts) or "run"
 
 
-def _fmt(value: Any) -> str:
+def format_value(value: Any) -> str:
+    """A report cell: empty when missing, four significant digits for floats (report.md and report.html)."""
     if _missing(value):
         return ""
     if isinstance(value, float):
         return f"{value:.4g}"
-    return str(value).replace("|", "\\|").replace("\n", " ")
+    return str(value)
+
+
+def _fmt(value: Any) -> str:
+    return format_value(value).replace("|", "\\|").replace("\n", " ")
 
 
 def markdown_table(frame: pd.DataFrame, columns: Sequence[str]) -> str:
@@ -184,6 +189,21 @@ def decode_scaling_lines(frame: pd.DataFrame) -> list[str]:
             f"over {len(runs)} runs' median decode-only step vs their KV tokens in use, all sequences together).", ""]
 
 
+def headline_columns(frame: pd.DataFrame, axes: Sequence[str]) -> list[str]:
+    """report.md's columns: the job, its status, the ``axes`` that tell runs apart, every headline metric
+    some run has (swap columns only where something swapped, per-priority TTFTs where classes ran), the error."""
+    per_class = [c for c in frame.columns if c.startswith("priority_") and ("ttft_s" in c)]
+    reported = [m for m in [*MARKDOWN_METRICS, *per_class] if m in frame and frame[m].notna().any()
+                and (m not in SHOWN_WHEN_NONZERO or (frame[m].fillna(0) != 0).any())]
+    return ["job", "status", *axes, *reported, "error"]
+
+
+def left_out_lines(frame: pd.DataFrame, problems: Sequence[str]) -> list[str]:
+    """One line per run that failed or could not be read, then each file left out of the plots."""
+    broken = frame[frame["status"] != "ok"]
+    return [*[f"job {row['job']}: {row['status']}: {row['error']}" for _, row in broken.iterrows()], *problems]
+
+
 def write_report(root: Path) -> list[Path]:
     """report.csv, report.md and the plots; returns their paths (csv, md, then plots)."""
     frame = collect(root)
@@ -206,16 +226,12 @@ def write_report(root: Path) -> list[Path]:
         plot_ttft_cdf(job_tables(root, frame, "requests.csv", axes, problems), root / "ttft_cdf.png"),
         plot_kv_over_time(job_tables(root, frame, "steps.csv", axes, problems), root / "kv_usage.png"),
     ]
-    per_class = [c for c in frame.columns if c.startswith("priority_") and ("ttft_s" in c)]
-    reported = [m for m in [*MARKDOWN_METRICS, *per_class] if m in frame and frame[m].notna().any()
-                and (m not in SHOWN_WHEN_NONZERO or (frame[m].fillna(0) != 0).any())]
-    headline = ["job", "status", *axes, *reported, "error"]
     broken = frame[frame["status"] != "ok"]
     md = [f"# servelab report: {root}", "", f"{len(frame)} runs, {len(broken)} failed or unreadable.", "",
-          markdown_table(frame, headline), "", *decode_scaling_lines(frame)]
-    if len(broken) or problems:
-        md += ["## Runs left out", "", *[f"- job {row['job']}: {row['status']}: {row['error']}" for _, row in broken.iterrows()],
-               *[f"- {problem}" for problem in problems], ""]
+          markdown_table(frame, headline_columns(frame, axes)), "", *decode_scaling_lines(frame)]
+    left_out = left_out_lines(frame, problems)
+    if left_out:
+        md += ["## Runs left out", "", *[f"- {line}" for line in left_out], ""]
     written = [write_csv(frame, root / "report.csv"), write_text_file("\n".join(md), root / "report.md")]
     return written + [p for p in plots if p is not None]
 
