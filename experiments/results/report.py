@@ -9,7 +9,8 @@ that crashed before writing ``summary.json`` is listed as failed; one whose file
 (truncated by a crash of an older version, damaged) is listed as ``unreadable`` with the reason,
 and the report goes on. Plots (when their axis varies; drawn by :mod:`experiments.results.plots`):
 output tok/s and TTFT p50/p99 vs concurrency per strategy, TTFT CDF, KV usage over time,
-block-size sweep.
+block-size sweep. Then ``report.html`` (:mod:`experiments.results.html_report`): the same table
+and more plots in one self-contained page.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from experiments.results.plots import plot_kv_over_time, plot_ttft_cdf, plot_vs
 LABEL_COLUMNS = ["engine", "hardware", "model", "cache", "scheduler", "attention", "attention_backend", "workload", "concurrency", "block_size",
                  "capacity_tokens", "max_num_seqs", "dtype", "seed"]
 REPORT_FILES = ["report.csv", "report.md", "throughput_vs_concurrency.png", "ttft_vs_concurrency.png",
-                "block_size_sweep.png", "ttft_cdf.png", "kv_usage.png"]
+                "block_size_sweep.png", "ttft_cdf.png", "kv_usage.png", "report.html"]
 MARKDOWN_METRICS = ["output_throughput", "request_throughput", "ttft_s_p50", "ttft_s_p99", "tpot_s_mean",
                     "e2e_s_p50", "client_queue_s_p50", "goodput", "wasted_slots", "forward_passes", "preemptions", "max_queued_steps", "prefix_hit_tokens", "prefix_hit_rate",
                     "mean_kv_used_reserved_ratio", "decode_step_s_p50", "decode_kv_tokens_p50",
@@ -236,11 +237,20 @@ def write_report(root: Path) -> list[Path]:
     return written + [p for p in plots if p is not None]
 
 
+def write_report_and_page(root: Path, page: bool = True) -> list[Path]:
+    """:func:`write_report`, then (``page``) the sweep's report.html after them."""
+    from experiments.results.html_report import write_html_report  # the page module imports this one
+
+    written = write_report(root)
+    return written + ([write_html_report(root)] if page else [])
+
+
 class ReportCallback(Callback):
-    """Hydra callback: write the report into the sweep folder when a multirun ends."""
+    """Hydra callback: write the report (and report.html unless ``html_report=false``) into the sweep
+    folder when a multirun ends."""
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        written = write_report(Path(config.hydra.sweep.dir))
+        written = write_report_and_page(Path(config.hydra.sweep.dir), page=config.get("html_report", True))
         print(written[1].read_text())
         print("\n".join(str(p) for p in written))
 
@@ -254,7 +264,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.overwrite:
         for name in REPORT_FILES:
             (args.sweep_dir / name).unlink(missing_ok=True)
-    written = write_report(args.sweep_dir)
+    written = write_report_and_page(args.sweep_dir)
     print(written[1].read_text())
     print("\n".join(str(p) for p in written))
     return 0
