@@ -113,6 +113,13 @@ def test_plots_without_data_say_so(tmp_path: Path) -> None:
     assert_self_contained(Page(text))  # the CDFs still have data
 
 
+def test_a_failed_run_page_shows_the_error_and_no_broken_plot(tmp_path: Path) -> None:
+    run = write_run(tmp_path / "run", {}, ["engine=vllm"], status="failed")
+    text = write_html_report(run).read_text()
+    assert "FAILED: RuntimeError: the server died" in text
+    assert text.count("No plot:") == 3 and "<img" not in text
+
+
 def test_existing_report_html_is_never_replaced_silently(tmp_path: Path) -> None:
     run = write_run(tmp_path / "run", {"output_throughput": 12.5}, [])
     first = write_html_report(run)
