@@ -59,12 +59,23 @@ def png_image(png: bytes, alt: str) -> str:
     return f'<img alt="{escape(alt)}" src="data:image/png;base64,{base64.b64encode(png).decode("ascii")}">'
 
 
+def legends_outside(fig: plt.Figure) -> plt.Figure:
+    """Move every legend of ``fig`` to the right of its axes, so a sweep's many curves stay visible."""
+    for ax in fig.axes:
+        if ax.get_legend() is not None:
+            handles, labels = ax.get_legend_handles_labels()
+            ax.legend(handles, labels, fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    return fig
+
+
 def figure(title: str, fig: plt.Figure | None, missing: str, caption: str = "") -> str:
-    """A titled plot: the figure embedded as PNG, or, when ``fig`` is ``None``, the sentence ``missing``."""
+    """A titled plot: the figure embedded as PNG (legends beside the axes), or, when ``fig`` is ``None``,
+    the sentence ``missing``."""
     if fig is None:
         body = f'<p class="no-data">No plot: {escape(missing)}</p>'
     else:
-        body = png_image(figure_png(fig), title) + (f"<figcaption>{escape(caption)}</figcaption>" if caption else "")
+        png = figure_png(legends_outside(fig))
+        body = png_image(png, title) + (f"<figcaption>{escape(caption)}</figcaption>" if caption else "")
     return f"<h3>{escape(title)}</h3><figure>{body}</figure>"
 
 

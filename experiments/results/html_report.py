@@ -39,7 +39,9 @@ from omegaconf import DictConfig
 
 from experiments.results import html_page as h
 from experiments.results.files import run_title, summary_rows
-from experiments.results.load_curves import LOAD_COLUMNS, goodput_vs_rate_figure, latency_vs_rate_figure, pareto_figure
+from experiments.results.load_curves import (
+    LOAD_COLUMNS, REPEAT_COLUMNS, goodput_vs_rate_figure, latency_vs_rate_figure, pareto_figure,
+)
 from experiments.results.plots import cdf_figure, kv_over_time_figure
 from experiments.results.report import (
     UNREADABLE, axis_columns, collect, format_value, headline_columns, job_tables, left_out_lines, read_summary,
@@ -150,8 +152,8 @@ def _environment_section(environments: dict[str, dict[str, str]]) -> str:
 
 
 def _strategy(axes: Sequence[str]) -> Callable[[pd.Series], str]:
-    """A run's strategy: its values of the varying columns other than the load."""
-    others = [c for c in axes if c not in LOAD_COLUMNS]
+    """A run's strategy: its values of the varying columns other than the load and the repeat number."""
+    others = [c for c in axes if c not in LOAD_COLUMNS and c not in REPEAT_COLUMNS]
     return lambda row: strategy_label(row, others)
 
 

@@ -14,7 +14,7 @@ and the curve then bends up (latency) or flattens (goodput) where the server giv
 
 Each returns a matplotlib figure, or ``None`` when the sweep has too few successful runs with
 the numbers (the page then says so). Runs are labelled by the caller (``label(row)``: the
-strategy, i.e. what varies besides the load).
+strategy, i.e. what varies besides the load and the repeat number).
 """
 from __future__ import annotations
 
@@ -29,6 +29,8 @@ import pandas as pd  # noqa: E402
 #: report columns that set the offered load; a curve runs along them, so they are left out of its label
 LOAD_COLUMNS = ("concurrency", "rate", "override:workload.concurrency", "override:workload.num_users",
                 "override:driver.max_concurrency", "override:workload.rate")
+#: report columns that only repeat a measurement: a strategy's repeats are points of one curve
+REPEAT_COLUMNS = ("repeat", "override:repeat")
 RATE = "request_throughput"
 LATENCIES = [("TTFT", "ttft_s"), ("ITL", "itl_s"), ("E2E", "e2e_s")]
 
@@ -57,7 +59,7 @@ def latency_vs_rate_figure(frame: pd.DataFrame, label: Callable[[pd.Series], str
             line = ax.plot(part[RATE], part[f"{key}_p50"], marker="o", label=group)[0]
             ax.plot(part[RATE], part[f"{key}_p99"], marker="x", linestyle="--", color=line.get_color())
         ax.set(xlabel="achieved request/s", ylabel=f"{name} (s)", title=f"{name} p50 (solid) / p99 (dashed)")
-        ax.legend(fontsize=6)
+    axes[0][-1].legend(fontsize=6)  # the same lines in every panel: one legend
     return fig
 
 

@@ -37,11 +37,11 @@ def save_figure(fig: plt.Figure, path: Path) -> Path:
 
 
 def figure_png(fig: plt.Figure) -> bytes:
-    """``fig`` as PNG bytes (for a page that embeds its images), and close it."""
-    fig.tight_layout()
+    """``fig`` as PNG bytes (for a page that embeds its images), cropped to what it draws (legends
+    beside the axes included), and close it."""
     buffer = io.BytesIO()
     try:
-        fig.savefig(buffer, format="png", dpi=90)
+        fig.savefig(buffer, format="png", dpi=90, bbox_inches="tight")
     finally:
         plt.close(fig)
     return buffer.getvalue()
