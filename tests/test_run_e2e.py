@@ -33,7 +33,7 @@ def test_single_run_writes_every_file(tmp_path: Path) -> None:
     proc = run_py([*TINY_BURST, f"hydra.run.dir={out}"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     for name in ("config.yaml", "requests.csv", "steps.csv", "summary.json", "summary.md",
-                 "kv_usage.png", "batch.png", "ttft.png"):
+                 "kv_usage.png", "batch.png", "ttft.png", "report.html"):  # report.html: RunPageCallback
         assert (out / name).is_file(), name
     requests = pd.read_csv(out / "requests.csv")
     assert list(requests.columns) == REQUEST_COLUMNS and len(requests) == 4

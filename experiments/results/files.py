@@ -110,19 +110,28 @@ SUMMARY_ROWS = [
 ]
 
 
+def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
+    """The run's headline numbers as ``(label, formatted value)`` rows (summary.md's and report.html's table)."""
+    flat = {"status": summary.get("status"), **summary.get("metrics", {})}
+    rows = [(label, _fmt(flat.get(key))) for label, key in SUMMARY_ROWS if key in flat]
+    return rows + [(key, _fmt(value)) for key, value in flat.items() if key.startswith("priority_")]
+
+
 def summary_table(summary: dict[str, Any]) -> str:
     """The run's headline numbers as a two-column Markdown table."""
-    flat = {"status": summary.get("status"), **summary.get("metrics", {})}
     lines = ["| metric | value |", "| --- | --- |"]
-    lines += [f"| {label} | {_fmt(flat.get(key))} |" for label, key in SUMMARY_ROWS if key in flat]
-    lines += [f"| {key} | {_fmt(value)} |" for key, value in flat.items() if key.startswith("priority_")]
+    lines += [f"| {label} | {value} |" for label, value in summary_rows(summary)]
     return "\n".join(lines)
 
 
-def summary_markdown(summary: dict[str, Any]) -> str:
+def run_title(summary: dict[str, Any]) -> str:
+    """``engine=servelab · model=... · cache=paged ...``: what the run was, for page and file titles."""
     run = summary.get("run", {})
-    title = " · ".join(f"{k}={v}" for k, v in run.items() if k in ("engine", "model", "cache", "scheduler", "attention", "attention_backend", "workload", "hardware"))
-    parts = [f"# servelab run: {title}", ""]
+    return " · ".join(f"{k}={v}" for k, v in run.items() if k in ("engine", "model", "cache", "scheduler", "attention", "attention_backend", "workload", "hardware"))
+
+
+def summary_markdown(summary: dict[str, Any]) -> str:
+    parts = [f"# servelab run: {run_title(summary)}", ""]
     if summary.get("simulation"):
         parts += [f"**Simulated**: times are {summary['simulation']['timing']}.", ""]
         parts += extrapolation_markdown(summary["simulation"].get("extrapolation"))

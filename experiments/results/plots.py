@@ -5,9 +5,14 @@ distribution. Per sweep (:mod:`experiments.results.report` reads the runs and la
 metric against concurrency or block size with one line per strategy (:func:`plot_vs`), and one
 curve per run of the TTFT CDF (:func:`plot_ttft_cdf`) and of KV usage over time
 (:func:`plot_kv_over_time`). A plot whose data is missing is not drawn (``None``).
+
+Each sweep plot is a figure builder (``*_figure``, returning the matplotlib figure or ``None``)
+and a ``plot_*`` wrapper that saves it as a file; :mod:`experiments.results.html_report` embeds
+the same figures in ``report.html`` through :func:`figure_png`.
 """
 from __future__ import annotations
 
+import io
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -29,6 +34,17 @@ def save_figure(fig: plt.Figure, path: Path) -> Path:
         return write_file(path, lambda partial: fig.savefig(partial, dpi=110))
     finally:
         plt.close(fig)
+
+
+def figure_png(fig: plt.Figure) -> bytes:
+    """``fig`` as PNG bytes (for a page that embeds its images), cropped to what it draws (legends
+    beside the axes included), and close it."""
+    buffer = io.BytesIO()
+    try:
+        fig.savefig(buffer, format="png", dpi=90, bbox_inches="tight")
+    finally:
+        plt.close(fig)
+    return buffer.getvalue()
 
 
 def _has(frame: pd.DataFrame, column: str) -> bool:
@@ -110,39 +126,54 @@ def plot_vs(frame: pd.DataFrame, x: str, metrics: Sequence[tuple[str, str]], pat
     return save_figure(fig, path)
 
 
-def plot_ttft_cdf(runs: Iterable[tuple[str, pd.DataFrame]], path: Path) -> Path | None:
-    """The empirical TTFT CDF of every ``(label, requests.csv table)`` in ``runs``."""
+def cdf_figure(runs: Iterable[tuple[str, pd.DataFrame]], column: str, xlabel: str, title: str) -> plt.Figure | None:
+    """The empirical CDF of ``column`` for every ``(label, requests.csv table)`` in ``runs``; ``None`` when
+    no run has a value of it."""
     fig, ax = plt.subplots(figsize=(6, 4))
     drawn = 0
     for label, requests in runs:
-        values = np.sort(requests["ttft_s"].dropna().to_numpy())
+        values = np.sort(requests[column].dropna().to_numpy()) if column in requests else np.array([])
         if values.size:
             ax.step(values, np.arange(1, values.size + 1) / values.size, where="post", label=label)
             drawn += 1
-    return _save_if_drawn(fig, ax, drawn, path, xlabel="TTFT (s)", ylabel="fraction of requests", title="TTFT CDF",
-                          ylim=(0, 1.02))
+    return _label_if_drawn(fig, ax, drawn, xlabel=xlabel, ylabel="fraction of requests", title=title, ylim=(0, 1.02))
+
+
+def plot_ttft_cdf(runs: Iterable[tuple[str, pd.DataFrame]], path: Path) -> Path | None:
+    """The empirical TTFT CDF of every ``(label, requests.csv table)`` in ``runs``."""
+    return _save_drawn(cdf_figure(runs, "ttft_s", "TTFT (s)", "TTFT CDF"), path)
+
+
+def kv_over_time_figure(runs: Iterable[tuple[str, pd.DataFrame]]) -> plt.Figure | None:
+    """KV tokens used (solid) and reserved (dashed) over time, for every ``(label, steps.csv table)`` in
+    ``runs``; ``None`` when no run recorded KV usage (e.g. an HTTP peer)."""
+    fig, ax = plt.subplots(figsize=(7, 4))
+    drawn = 0
+    for label, steps in runs:
+        if steps.empty or not _has(steps, "kv_used_tokens"):
+            continue
+        line = ax.step(steps["end_time"], steps["kv_used_tokens"], where="post", label=f"{label} used")[0]
+        if _has(steps, "kv_reserved_tokens"):
+            ax.step(steps["end_time"], steps["kv_reserved_tokens"], where="post", linestyle="--", color=line.get_color())
+        drawn += 1
+    return _label_if_drawn(fig, ax, drawn, xlabel="time since run start (s)", ylabel="KV tokens",
+                           title="KV used (solid) / reserved (dashed)")
 
 
 def plot_kv_over_time(runs: Iterable[tuple[str, pd.DataFrame]], path: Path) -> Path | None:
     """KV tokens used (solid) and reserved (dashed) over time, for every ``(label, steps.csv table)`` in ``runs``."""
-    fig, ax = plt.subplots(figsize=(7, 4))
-    drawn = 0
-    for label, steps in runs:
-        if steps.empty or steps["kv_used_tokens"].isna().all():
-            continue
-        line = ax.step(steps["end_time"], steps["kv_used_tokens"], where="post", label=f"{label} used")[0]
-        if steps["kv_reserved_tokens"].notna().any():
-            ax.step(steps["end_time"], steps["kv_reserved_tokens"], where="post", linestyle="--", color=line.get_color())
-        drawn += 1
-    return _save_if_drawn(fig, ax, drawn, path, xlabel="time since run start (s)", ylabel="KV tokens",
-                          title="KV used (solid) / reserved (dashed)")
+    return _save_drawn(kv_over_time_figure(runs), path)
 
 
-def _save_if_drawn(fig: plt.Figure, ax: plt.Axes, drawn: int, path: Path, **axis: Any) -> Path | None:
-    """Label ``ax`` (``axis``: ``Axes.set`` keywords) and save ``fig`` when it has ``drawn`` curves; else close it."""
+def _label_if_drawn(fig: plt.Figure, ax: plt.Axes, drawn: int, **axis: Any) -> plt.Figure | None:
+    """Label ``ax`` (``axis``: ``Axes.set`` keywords) and return ``fig`` when it has ``drawn`` curves; else close it."""
     if not drawn:
         plt.close(fig)
         return None
     ax.set(**axis)
     ax.legend(fontsize=7)
-    return save_figure(fig, path)
+    return fig
+
+
+def _save_drawn(fig: plt.Figure | None, path: Path) -> Path | None:
+    return None if fig is None else save_figure(fig, path)

@@ -9,7 +9,8 @@ that crashed before writing ``summary.json`` is listed as failed; one whose file
 (truncated by a crash of an older version, damaged) is listed as ``unreadable`` with the reason,
 and the report goes on. Plots (when their axis varies; drawn by :mod:`experiments.results.plots`):
 output tok/s and TTFT p50/p99 vs concurrency per strategy, TTFT CDF, KV usage over time,
-block-size sweep.
+block-size sweep. Then ``report.html`` (:mod:`experiments.results.html_report`): the same table
+and more plots in one self-contained page.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from experiments.results.plots import plot_kv_over_time, plot_ttft_cdf, plot_vs
 LABEL_COLUMNS = ["engine", "hardware", "model", "cache", "scheduler", "attention", "attention_backend", "workload", "concurrency", "block_size",
                  "capacity_tokens", "max_num_seqs", "dtype", "seed"]
 REPORT_FILES = ["report.csv", "report.md", "throughput_vs_concurrency.png", "ttft_vs_concurrency.png",
-                "block_size_sweep.png", "ttft_cdf.png", "kv_usage.png"]
+                "block_size_sweep.png", "ttft_cdf.png", "kv_usage.png", "report.html"]
 MARKDOWN_METRICS = ["output_throughput", "request_throughput", "ttft_s_p50", "ttft_s_p99", "tpot_s_mean",
                     "e2e_s_p50", "client_queue_s_p50", "goodput", "wasted_slots", "forward_passes", "preemptions", "max_queued_steps", "prefix_hit_tokens", "prefix_hit_rate",
                     "mean_kv_used_reserved_ratio", "decode_step_s_p50", "decode_kv_tokens_p50",
@@ -130,12 +131,17 @@ def strategy_label(row: pd.Series, columns: Sequence[str]) -> str:
     return " / ".join(parts) or "run"
 
 
-def _fmt(value: Any) -> str:
+def format_value(value: Any) -> str:
+    """A report cell: empty when missing, four significant digits for floats (report.md and report.html)."""
     if _missing(value):
         return ""
     if isinstance(value, float):
         return f"{value:.4g}"
-    return str(value).replace("|", "\\|").replace("\n", " ")
+    return str(value)
+
+
+def _fmt(value: Any) -> str:
+    return format_value(value).replace("|", "\\|").replace("\n", " ")
 
 
 def markdown_table(frame: pd.DataFrame, columns: Sequence[str]) -> str:
@@ -184,6 +190,21 @@ def decode_scaling_lines(frame: pd.DataFrame) -> list[str]:
             f"over {len(runs)} runs' median decode-only step vs their KV tokens in use, all sequences together).", ""]
 
 
+def headline_columns(frame: pd.DataFrame, axes: Sequence[str]) -> list[str]:
+    """report.md's columns: the job, its status, the ``axes`` that tell runs apart, every headline metric
+    some run has (swap columns only where something swapped, per-priority TTFTs where classes ran), the error."""
+    per_class = [c for c in frame.columns if c.startswith("priority_") and ("ttft_s" in c)]
+    reported = [m for m in [*MARKDOWN_METRICS, *per_class] if m in frame and frame[m].notna().any()
+                and (m not in SHOWN_WHEN_NONZERO or (frame[m].fillna(0) != 0).any())]
+    return ["job", "status", *axes, *reported, "error"]
+
+
+def left_out_lines(frame: pd.DataFrame, problems: Sequence[str]) -> list[str]:
+    """One line per run that failed or could not be read, then each file left out of the plots."""
+    broken = frame[frame["status"] != "ok"]
+    return [*[f"job {row['job']}: {row['status']}: {row['error']}" for _, row in broken.iterrows()], *problems]
+
+
 def write_report(root: Path) -> list[Path]:
     """report.csv, report.md and the plots; returns their paths (csv, md, then plots)."""
     frame = collect(root)
@@ -206,25 +227,30 @@ def write_report(root: Path) -> list[Path]:
         plot_ttft_cdf(job_tables(root, frame, "requests.csv", axes, problems), root / "ttft_cdf.png"),
         plot_kv_over_time(job_tables(root, frame, "steps.csv", axes, problems), root / "kv_usage.png"),
     ]
-    per_class = [c for c in frame.columns if c.startswith("priority_") and ("ttft_s" in c)]
-    reported = [m for m in [*MARKDOWN_METRICS, *per_class] if m in frame and frame[m].notna().any()
-                and (m not in SHOWN_WHEN_NONZERO or (frame[m].fillna(0) != 0).any())]
-    headline = ["job", "status", *axes, *reported, "error"]
     broken = frame[frame["status"] != "ok"]
     md = [f"# servelab report: {root}", "", f"{len(frame)} runs, {len(broken)} failed or unreadable.", "",
-          markdown_table(frame, headline), "", *decode_scaling_lines(frame)]
-    if len(broken) or problems:
-        md += ["## Runs left out", "", *[f"- job {row['job']}: {row['status']}: {row['error']}" for _, row in broken.iterrows()],
-               *[f"- {problem}" for problem in problems], ""]
+          markdown_table(frame, headline_columns(frame, axes)), "", *decode_scaling_lines(frame)]
+    left_out = left_out_lines(frame, problems)
+    if left_out:
+        md += ["## Runs left out", "", *[f"- {line}" for line in left_out], ""]
     written = [write_csv(frame, root / "report.csv"), write_text_file("\n".join(md), root / "report.md")]
     return written + [p for p in plots if p is not None]
 
 
+def write_report_and_page(root: Path, page: bool = True) -> list[Path]:
+    """:func:`write_report`, then (``page``) the sweep's report.html after them."""
+    from experiments.results.html_report import write_html_report  # the page module imports this one
+
+    written = write_report(root)
+    return written + ([write_html_report(root)] if page else [])
+
+
 class ReportCallback(Callback):
-    """Hydra callback: write the report into the sweep folder when a multirun ends."""
+    """Hydra callback: write the report (and report.html unless ``html_report=false``) into the sweep
+    folder when a multirun ends."""
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        written = write_report(Path(config.hydra.sweep.dir))
+        written = write_report_and_page(Path(config.hydra.sweep.dir), page=config.get("html_report", True))
         print(written[1].read_text())
         print("\n".join(str(p) for p in written))
 
@@ -238,7 +264,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.overwrite:
         for name in REPORT_FILES:
             (args.sweep_dir / name).unlink(missing_ok=True)
-    written = write_report(args.sweep_dir)
+    written = write_report_and_page(args.sweep_dir)
     print(written[1].read_text())
     print("\n".join(str(p) for p in written))
     return 0
