@@ -49,7 +49,9 @@ def prompts(llm: LLM, kind: str, batch: int, prompt_len: int) -> list[list[int]]
 def step_times(llm: LLM, batch: int, steps: int, prompt_ids: list[list[int]]) -> dict[str, tuple[float, float, int]]:
     """Per mode, (median decode step seconds, median sampler seconds, rows widened past the first
     candidate set over all its steps) of ``batch`` running requests."""
-    params = SamplingParams(max_tokens=steps + 2, ignore_eos=True)
+    # the prefill (chunked or not) takes fewer steps than the batch has prompt tokens, each adding
+    # at most one output token: no request can finish before the measured steps end
+    params = SamplingParams(max_tokens=steps + sum(map(len, prompt_ids)), ignore_eos=True)
     ids = [llm.add_request(prompt, params) for prompt in prompt_ids]
     while not all(llm.requests[i].num_output_tokens for i in ids):  # the prefill, in as many steps as it takes
         llm.step()
@@ -79,6 +81,8 @@ def step_times(llm: LLM, batch: int, steps: int, prompt_ids: list[list[int]]) ->
             samples[mode].append((record.duration_s, sampler_s[0]))
     finally:
         llm.sampler = sampler
+    for i in ids:
+        llm.abort_request(i)
     while llm.has_unfinished():
         llm.step()
     return {mode: (statistics.median(s for s, _ in v), statistics.median(t for _, t in v), widened[mode])
