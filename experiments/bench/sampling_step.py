@@ -31,6 +31,7 @@ from engine import LLM, SamplingParams
 from engine.tokenizer import encode_chat
 from experiments.harness.chat_prompts import prompt_bank
 
+PREFILL_MARGIN = 256  # output tokens a request may decode before the whole batch is prefilled
 MODES = {
     "greedy": {"temperature": 0.0},
     "temperature 1": {"temperature": 1.0},
@@ -49,11 +50,11 @@ def prompts(llm: LLM, kind: str, batch: int, prompt_len: int) -> list[list[int]]
 def step_times(llm: LLM, batch: int, steps: int, prompt_ids: list[list[int]]) -> dict[str, tuple[float, float, int]]:
     """Per mode, (median decode step seconds, median sampler seconds, rows widened past the first
     candidate set over all its steps) of ``batch`` running requests."""
-    # the prefill (chunked or not) takes fewer steps than the batch has prompt tokens, each adding
-    # at most one output token: no request can finish before the measured steps end
-    params = SamplingParams(max_tokens=steps + sum(map(len, prompt_ids)), ignore_eos=True)
+    # room for the tokens early requests decode while a chunked prefill admits the rest (a request
+    # that still finishes early stops the run: the step check below sees fewer than ``batch`` rows)
+    params = SamplingParams(max_tokens=steps + PREFILL_MARGIN, ignore_eos=True)
     ids = [llm.add_request(prompt, params) for prompt in prompt_ids]
-    while not all(llm.requests[i].num_output_tokens for i in ids):  # the prefill, in as many steps as it takes
+    while not all(llm.requests[i].num_output_tokens for i in ids if i in llm.requests):  # the prefill
         llm.step()
     sampler, sampler_s = llm.sampler, [0.0]
 
