@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sampling_filters import temperature_min_p, top_k_top_p_candidates
+from engine.sampling_filters import row_mass, temperature_min_p, top_k_top_p_candidates
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 
@@ -73,7 +73,7 @@ class Sampler:
     candidate set.
     """
 
-    def __init__(self, seed: int = 0, candidates: int = 256, growth: int = 16) -> None:
+    def __init__(self, seed: int = 0, candidates: int = 64, growth: int = 16) -> None:
         if candidates < 1:
             raise ValueError(f"candidates must be >= 1, got {candidates}")
         if growth < 2:
@@ -100,6 +100,8 @@ class Sampler:
         plain = [row for row in sampled if params[row].top_k <= 0 and params[row].top_p >= 1.0]
         filtered = [row for row in sampled if params[row].top_k > 0 or params[row].top_p < 1.0]
         for group, pick in ((plain, self.pick_plain), (filtered, self.pick_filtered)):
+            if len(group) == len(seqs):  # one kind of row: no indexing in or out
+                return pick(logits, RowFilters.of(params, logits.shape[-1], device), u).tolist()
             if group:
                 rows = torch.tensor(group, device=device)
                 chosen = logits if len(group) == len(seqs) else logits[rows]
@@ -113,21 +115,24 @@ class Sampler:
 
     def pick_filtered(self, logits: torch.Tensor, filters: RowFilters, u: torch.Tensor) -> torch.Tensor:
         probs = temperature_min_p(logits, filters.temperature, filters.min_p)
-        row_mass = probs.sum(dim=-1, dtype=torch.float64)
+        mass = row_mass(probs)
         top_k, top_p = filters.top_k, filters.top_p
         size = max(self.candidates, filters.max_top_k + 1)
         tokens = torch.empty(len(probs), dtype=torch.long, device=probs.device)
         rows = torch.arange(len(probs), device=probs.device)  # the group's rows still to pick
         while True:
-            ids, weights, exact = top_k_top_p_candidates(probs, top_k, top_p, size, row_mass)
+            ids, weights, exact = top_k_top_p_candidates(probs, top_k, top_p, size, mass)
             if bool(exact.all()):
-                tokens[rows] = ids.gather(-1, draw(weights, u)[:, None]).squeeze(-1)
+                picked = ids.gather(-1, draw(weights, u)[:, None]).squeeze(-1)
+                if len(rows) == len(tokens):  # every row's head among the first candidates
+                    return picked
+                tokens[rows] = picked
                 return tokens
             done, left = exact.nonzero().squeeze(-1), (~exact).nonzero().squeeze(-1)
             tokens[rows[done]] = ids[done].gather(-1, draw(weights[done], u[done])[:, None]).squeeze(-1)
             if len(rows) == len(tokens):  # the first candidate set
                 self.widened += len(left)
-            rows, probs, top_k, top_p, row_mass, u = (t[left] for t in (rows, probs, top_k, top_p, row_mass, u))
+            rows, probs, top_k, top_p, mass, u = (t[left] for t in (rows, probs, top_k, top_p, mass, u))
             size *= self.growth
 
     def uniforms(self, seqs: list[Sequence], device: torch.device) -> torch.Tensor:

@@ -44,12 +44,20 @@ def temperature_min_p(logits: torch.Tensor, temperature: torch.Tensor, min_p: to
     return probs.masked_fill(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), 0.0)
 
 
+def row_mass(probs: torch.Tensor) -> torch.Tensor:
+    """Each row's total probability as float64, for ``keep_head``: summed in the rows' own float32
+    (a float64 sum would first copy the whole matrix into float64). Both rankings take the same
+    value, so it cannot make them disagree; it is the mass top-p measures against to the float32
+    precision the probabilities themselves have."""
+    return probs.sum(dim=-1).double()
+
+
 def top_k_top_p_sorted(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                        row_mass: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids, weights): the whole vocabulary ranked, and the head top-k and top-p keep.
 
     ``top_k`` holds the vocabulary size for rows without one; ``top_p`` holds 1.0 for rows without
-    one; ``row_mass`` is ``probs.sum(dim=-1, dtype=torch.float64)`` (see ``keep_head``).
+    one; ``row_mass`` is ``row_mass(probs)`` (see ``keep_head``).
     """
     ranked, ids = probs.sort(dim=-1, descending=True, stable=True)
     return ids, keep_head(ranked, top_k, top_p, probs.shape[-1], row_mass)

@@ -30,7 +30,7 @@ from scipy.stats import chisquare
 
 from engine import LLM, SamplingParams
 from engine.sampler import RowFilters, Sampler, draw
-from engine.sampling_filters import temperature_min_p, top_k_top_p_candidates, top_k_top_p_sorted
+from engine.sampling_filters import row_mass, temperature_min_p, top_k_top_p_candidates, top_k_top_p_sorted
 
 LOGITS = np.array([2.0, 1.8, 1.6, 1.4, 1.2, 1.0, 0.8, 0.6, 0.3, 0.0, -0.5, -1.0])
 DRAWS = 40_000
@@ -109,7 +109,7 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("candidates", [4, 256])
+@pytest.mark.parametrize("candidates", [4, 64])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_sampler_matches_reference_distribution(case, candidates):
     params, right, wrong = CASES[case]
@@ -161,7 +161,7 @@ def stress_rows() -> list[tuple[str, torch.Tensor, SamplingParams, int]]:
 def full_sort_head(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
     filters = RowFilters.of(params, logits.shape[-1], logits.device)
     probs = temperature_min_p(logits, filters.temperature, filters.min_p)
-    return top_k_top_p_sorted(probs, filters.top_k, filters.top_p, probs.sum(dim=-1, dtype=torch.float64))
+    return top_k_top_p_sorted(probs, filters.top_k, filters.top_p, row_mass(probs))
 
 
 @pytest.mark.parametrize("stage", range(len(STRESS_SIZES)))
@@ -169,10 +169,10 @@ def test_candidate_head_is_the_full_sort_head_wherever_it_claims_to_be(stage):
     for name, logits, params, needs in stress_rows():
         filters = RowFilters.of([params], STRESS_VOCAB, logits.device)
         probs = temperature_min_p(logits[None], filters.temperature, filters.min_p)
-        row_mass = probs.sum(dim=-1, dtype=torch.float64)
+        mass = row_mass(probs)
         size = max(STRESS_SIZES[stage], filters.max_top_k + 1)
-        [ids], [weights], [exact] = top_k_top_p_candidates(probs, filters.top_k, filters.top_p, size, row_mass)
-        [sorted_ids], [sorted_weights] = top_k_top_p_sorted(probs, filters.top_k, filters.top_p, row_mass)
+        [ids], [weights], [exact] = top_k_top_p_candidates(probs, filters.top_k, filters.top_p, size, mass)
+        [sorted_ids], [sorted_weights] = top_k_top_p_sorted(probs, filters.top_k, filters.top_p, mass)
         kept = sorted_weights > 0
         assert bool(exact) == (needs <= stage), name
         if exact:
