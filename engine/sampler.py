@@ -6,8 +6,12 @@ A step's rows split three ways, and each pays only for what it uses:
 * **plain** rows (temperature, maybe min-p; no top-k / top-p): one softmax over the vocabulary,
   min-p as a mask, and a draw in vocabulary order — no ranking at all;
 * **filtered** rows (top-k and / or top-p): the head those filters keep, ranked among the
-  ``candidates`` most likely tokens (``torch.topk``), and a full sort only for the rows whose head
-  the candidates do not provably hold (``engine.sampling_filters`` has the proof).
+  ``candidates`` most likely tokens (``torch.topk``); a row whose head those candidates do not
+  provably hold (``engine.sampling_filters`` has the proof) ranks ``growth`` times as many, and so
+  on, and only a row whose head still falls short once the candidates would cover the vocabulary
+  is sorted in full. Real answers' heads are short (a top-p 0.9 head at temperature 0.7 is tens
+  of tokens), so most rows never widen; a flat row (a model unsure of its next token) widens
+  once or twice instead of paying the full sort.
 
 A draw is inverse-CDF sampling: one uniform ``u`` per sampled row (float64, on the logits'
 device), and the token is the first whose cumulative weight reaches ``(1 - u)`` times the total
@@ -25,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sampling_filters import temperature_min_p, top_k_top_p_candidates, top_k_top_p_sorted
+from engine.sampling_filters import row_mass, temperature_min_p, top_k_top_p_candidates
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 
@@ -60,15 +64,24 @@ class Sampler:
     Args:
         seed: seeds the generator shared by requests without their own seed.
         candidates: how many of the most likely tokens top-k / top-p rows rank first (at least
-            one more than the largest top_k is taken); rows whose head needs more fall back to
-            a full sort. Any value gives the same tokens; it only moves the cost.
+            one more than the largest top_k is taken).
+        growth: the factor by which a row's candidates widen while its head needs more; a row
+            is sorted in full once they would cover the vocabulary. Neither value changes a
+            token; they only move the cost.
+
+    ``widened`` counts the rows (over the sampler's life) whose head needed more than the first
+    candidate set.
     """
 
-    def __init__(self, seed: int = 0, candidates: int = 256) -> None:
+    def __init__(self, seed: int = 0, candidates: int = 64, growth: int = 16) -> None:
         if candidates < 1:
             raise ValueError(f"candidates must be >= 1, got {candidates}")
+        if growth < 2:
+            raise ValueError(f"growth must be >= 2, got {growth}")
         self.seed = seed
         self.candidates = candidates
+        self.growth = growth
+        self.widened = 0
         self.generators: dict[torch.device, torch.Generator] = {}  # the shared one, per device
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
@@ -87,6 +100,8 @@ class Sampler:
         plain = [row for row in sampled if params[row].top_k <= 0 and params[row].top_p >= 1.0]
         filtered = [row for row in sampled if params[row].top_k > 0 or params[row].top_p < 1.0]
         for group, pick in ((plain, self.pick_plain), (filtered, self.pick_filtered)):
+            if len(group) == len(seqs):  # one kind of row: no indexing in or out
+                return pick(logits, RowFilters.of(params, logits.shape[-1], device), u).tolist()
             if group:
                 rows = torch.tensor(group, device=device)
                 chosen = logits if len(group) == len(seqs) else logits[rows]
@@ -100,14 +115,25 @@ class Sampler:
 
     def pick_filtered(self, logits: torch.Tensor, filters: RowFilters, u: torch.Tensor) -> torch.Tensor:
         probs = temperature_min_p(logits, filters.temperature, filters.min_p)
+        mass = row_mass(probs)
+        top_k, top_p = filters.top_k, filters.top_p
         size = max(self.candidates, filters.max_top_k + 1)
-        ids, weights, exact = top_k_top_p_candidates(probs, filters.top_k, filters.top_p, size)
-        tokens = ids.gather(-1, draw(weights, u)[:, None]).squeeze(-1)
-        if not bool(exact.all()):
-            rows = (~exact).nonzero().squeeze(-1)
-            ids, weights = top_k_top_p_sorted(probs[rows], filters.top_k[rows], filters.top_p[rows])
-            tokens[rows] = ids.gather(-1, draw(weights, u[rows])[:, None]).squeeze(-1)
-        return tokens
+        tokens = torch.empty(len(probs), dtype=torch.long, device=probs.device)
+        rows = torch.arange(len(probs), device=probs.device)  # the group's rows still to pick
+        while True:
+            ids, weights, exact = top_k_top_p_candidates(probs, top_k, top_p, size, mass)
+            if bool(exact.all()):
+                picked = ids.gather(-1, draw(weights, u)[:, None]).squeeze(-1)
+                if len(rows) == len(tokens):  # every row's head among the first candidates
+                    return picked
+                tokens[rows] = picked
+                return tokens
+            done, left = exact.nonzero().squeeze(-1), (~exact).nonzero().squeeze(-1)
+            tokens[rows[done]] = ids[done].gather(-1, draw(weights[done], u[done])[:, None]).squeeze(-1)
+            if len(rows) == len(tokens):  # the first candidate set
+                self.widened += len(left)
+            rows, probs, top_k, top_p, mass, u = (t[left] for t in (rows, probs, top_k, top_p, mass, u))
+            size *= self.growth
 
     def uniforms(self, seqs: list[Sequence], device: torch.device) -> torch.Tensor:
         """One float64 uniform in [0, 1) per row: from the row's own generator where it has a seed."""

@@ -22,7 +22,7 @@ and says, per row, whether that was enough:
     after top-k is the sum of the first ``k`` probabilities, which are the same values in both
     rankings as long as ``n >= k``, or, with no top-k, the sum over the whole row). If the
     head reaches ``t`` (top-p needed more mass than the candidates hold, or a tie straddles the
-    candidates' edge), the row is not exact and the caller ranks it in full.
+    candidates' edge), the row is not exact: the caller ranks more candidates, or the whole row.
 
 Both return the head as token ids in rank order and their weights (probabilities, zero past the
 head), which ``engine.sampler`` draws from.
@@ -44,32 +44,44 @@ def temperature_min_p(logits: torch.Tensor, temperature: torch.Tensor, min_p: to
     return probs.masked_fill(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), 0.0)
 
 
-def top_k_top_p_sorted(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def row_mass(probs: torch.Tensor) -> torch.Tensor:
+    """Each row's total probability as float64, for ``keep_head``: summed in the rows' own float32
+    (a float64 sum would first copy the whole matrix into float64). Both rankings take the same
+    value, so it cannot make them disagree; it is the mass top-p measures against to the float32
+    precision the probabilities themselves have."""
+    return probs.sum(dim=-1).double()
+
+
+def top_k_top_p_sorted(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                       row_mass: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids, weights): the whole vocabulary ranked, and the head top-k and top-p keep.
 
-    ``top_k`` holds the vocabulary size for rows without one; ``top_p`` holds 1.0 for rows without one.
+    ``top_k`` holds the vocabulary size for rows without one; ``top_p`` holds 1.0 for rows without
+    one; ``row_mass`` is ``row_mass(probs)`` (see ``keep_head``).
     """
     ranked, ids = probs.sort(dim=-1, descending=True, stable=True)
-    return ids, keep_head(ranked, top_k, top_p, probs.shape[-1], probs.sum(dim=-1, dtype=torch.float64))
+    return ids, keep_head(ranked, top_k, top_p, probs.shape[-1], row_mass)
 
 
-def top_k_top_p_candidates(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                           size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def top_k_top_p_candidates(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, size: int,
+                           row_mass: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(ids, weights, exact): the ``size`` most likely tokens ranked, the head kept among them,
     and per row whether that head is the one ``top_k_top_p_sorted`` keeps (see the module docstring).
 
     ``size`` must be at least every row's ``top_k`` that is below the vocabulary size (one more
     spares a top-k-only row the fallback: its head then ends above the smallest candidate).
+    ``row_mass`` as for ``top_k_top_p_sorted``. A ``size`` of the vocabulary or more is the full
+    sort, exact in every row.
     """
     vocab_size = probs.shape[-1]
-    size = min(size, vocab_size)
+    if size >= vocab_size:
+        ids, weights = top_k_top_p_sorted(probs, top_k, top_p, row_mass)
+        return ids, weights, torch.ones(len(ids), dtype=torch.bool, device=ids.device)
     values, ids = probs.topk(size, dim=-1)
     ids, by_id = ids.sort(dim=-1)  # ties among candidates: lower id first, as the stable sort
     ranked, order = values.gather(-1, by_id).sort(dim=-1, descending=True, stable=True)
     ids = ids.gather(-1, order)
-    weights = keep_head(ranked, top_k, top_p, vocab_size, probs.sum(dim=-1, dtype=torch.float64))
-    if size == vocab_size:
-        return ids, weights, torch.ones(len(ids), dtype=torch.bool, device=ids.device)
+    weights = keep_head(ranked, top_k, top_p, vocab_size, row_mass)
     last = ranked.gather(-1, (weights > 0).sum(dim=-1, keepdim=True) - 1).squeeze(-1)
     return ids, weights, last > ranked[:, -1]
 

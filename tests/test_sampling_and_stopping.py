@@ -7,13 +7,16 @@ Distributions: 40,000 draws from one logits row per case, compared with a chi-sq
 names a plausible *wrong* filter (the top-k off by one, top-p measured before top-k, min-p before
 temperature...) and asserts that the same draws reject it: the test can tell them apart. The
 draws run twice: with the default candidate set and with 4 candidates, where some cases rank
-their head among the candidates and others (top-p 0.7 needs more than 4 tokens) fall back to the
+their head among the candidates and others (top-p 0.7 needs more than 4 tokens) widen to the
 full sort.
 
 Candidates: on distributions built to stress the candidate set (flat rows whose top-p head is
-most of the vocabulary, ties at the top-k and at the candidates' edge, min-p leaving fewer tokens
-than candidates), the head ranked among candidates is the full sort's wherever it claims to be,
-and the sampler's tokens equal draws from the full sort with the same uniforms.
+most of the vocabulary, one dominant token with top-p near 1, ties at the top-k, at the top-p cut
+and at the candidates' edge, top-k above the candidate count, min-p leaving fewer tokens than
+candidates), the head ranked among candidates is the full sort's — the same ids in the same order
+with the same weights — wherever it claims to be, each row claims it at the candidate count it
+was built for (the first set, the set widened once, or only the full sort), and the sampler's
+tokens, seeded or not, equal draws from the full sort with the same uniforms.
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ from scipy.stats import chisquare
 
 from engine import LLM, SamplingParams
 from engine.sampler import RowFilters, Sampler, draw
-from engine.sampling_filters import temperature_min_p, top_k_top_p_candidates, top_k_top_p_sorted
+from engine.sampling_filters import row_mass, temperature_min_p, top_k_top_p_candidates, top_k_top_p_sorted
 
 LOGITS = np.array([2.0, 1.8, 1.6, 1.4, 1.2, 1.0, 0.8, 0.6, 0.3, 0.0, -0.5, -1.0])
 DRAWS = 40_000
@@ -106,7 +109,7 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("candidates", [4, 256])
+@pytest.mark.parametrize("candidates", [4, 64])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_sampler_matches_reference_distribution(case, candidates):
     params, right, wrong = CASES[case]
@@ -115,65 +118,93 @@ def test_sampler_matches_reference_distribution(case, candidates):
     assert fit_pvalue(counts, reference(**wrong)) < 1e-6, f"{case}: the test cannot tell the wrong filter apart"
 
 
-STRESS_VOCAB, STRESS_CANDIDATES = 4096, 64
+STRESS_VOCAB, STRESS_CANDIDATES, STRESS_GROWTH = 4096, 64, 16
+STRESS_SIZES = (STRESS_CANDIDATES, STRESS_CANDIDATES * STRESS_GROWTH)  # then 16,384 >= the vocabulary: the full sort
 
 
-def stress_rows() -> list[tuple[str, torch.Tensor, SamplingParams, bool]]:
-    """(name, logits row, params, whether STRESS_CANDIDATES candidates provably hold the head)."""
+def stress_rows() -> list[tuple[str, torch.Tensor, SamplingParams, int]]:
+    """(name, logits row, params, stage): the row's head is provably held by STRESS_SIZES[stage]
+    candidates and not by fewer (stage 2: only by the full sort)."""
     gen = torch.Generator().manual_seed(0)
     flat = 0.01 * torch.randn(STRESS_VOCAB, generator=gen)
     peaked = 3.0 * torch.randn(STRESS_VOCAB, generator=gen)
+    dominant = 0.5 * torch.randn(STRESS_VOCAB, generator=gen)
+    dominant[1234] = 12.0  # ~97% of the mass; the rest is a flat tail
     tie_at_k = -5.0 + 0.1 * torch.randn(STRESS_VOCAB, generator=gen)
     tie_at_k[[900, 901, 902]] = torch.tensor([10.0, 9.0, 8.0])
     tie_at_k[[3000, 7, 2000, 50, 100]] = 7.0  # top_k = 5 keeps two of these five: ids 7 and 50
     tie_at_edge = -20.0 + 0.1 * torch.randn(STRESS_VOCAB, generator=gen)
     tie_at_edge[:60] = torch.linspace(2.0, 1.0, 60)
     tie_at_edge[torch.arange(10) * 400 + 100] = 0.5  # ranks 60-69: across the 64 candidates' edge
+    tie_at_p = torch.full((STRESS_VOCAB,), -10.0)
+    tie_at_p[[3000, 12, 2500, 700, 40]] = 3.0  # top_p = 0.5 keeps three of these five: ids 12, 40 and 700
     return [
-        ("flat, top-p head ~90% of the vocabulary", flat, SamplingParams(temperature=1.0, top_p=0.9), False),
-        ("peaked, temperature 0.7, top-p 0.9", peaked, SamplingParams(temperature=0.7, top_p=0.9), True),
-        ("tie across the top-k boundary", tie_at_k, SamplingParams(temperature=1.0, top_k=5), True),
-        ("tie across the candidates' edge, top-p into it", tie_at_edge, SamplingParams(temperature=1.0, top_p=0.999), False),
-        ("min-p leaves fewer tokens than candidates", peaked, SamplingParams(temperature=1.0, min_p=0.05, top_p=0.95), True),
-        ("flat, top-k 50 then top-p 0.5", flat, SamplingParams(temperature=1.0, top_k=50, top_p=0.5), True),
-        ("flat, top-k 63: one short of the candidates", flat, SamplingParams(temperature=1.0, top_k=63), True),
-        ("flat, top-k 100 (more than the candidates), top-p 0.5", flat, SamplingParams(temperature=1.0, top_k=100, top_p=0.5), True),
+        ("flat, top-p head ~90% of the vocabulary", flat, SamplingParams(temperature=1.0, top_p=0.9), 2),
+        ("flat, top-p 0.2: a head of ~800", flat, SamplingParams(temperature=1.0, top_p=0.2), 1),
+        ("peaked, temperature 0.7, top-p 0.9", peaked, SamplingParams(temperature=0.7, top_p=0.9), 0),
+        ("peaked, temperature 0.7, top-p 0.999: a head of ~650", peaked, SamplingParams(temperature=0.7, top_p=0.999), 1),
+        ("one dominant token, top-p 0.9", dominant, SamplingParams(temperature=1.0, top_p=0.9), 0),
+        ("one dominant token, top-p 0.99: the head runs into the flat tail", dominant,
+         SamplingParams(temperature=1.0, top_p=0.99), 2),
+        ("tie across the top-k boundary", tie_at_k, SamplingParams(temperature=1.0, top_k=5), 0),
+        ("tie across the top-p cut", tie_at_p, SamplingParams(temperature=1.0, top_p=0.5), 0),
+        ("tie across the candidates' edge, top-p into it", tie_at_edge, SamplingParams(temperature=1.0, top_p=0.999), 1),
+        ("min-p leaves fewer tokens than candidates", peaked, SamplingParams(temperature=1.0, min_p=0.05, top_p=0.95), 0),
+        ("flat, top-k 50 then top-p 0.5", flat, SamplingParams(temperature=1.0, top_k=50, top_p=0.5), 0),
+        ("flat, top-k 63: one short of the candidates", flat, SamplingParams(temperature=1.0, top_k=63), 0),
+        ("flat, top-k 100 (more than the candidates), top-p 0.5", flat, SamplingParams(temperature=1.0, top_k=100, top_p=0.5), 0),
+        ("flat, top-k 2,000 (more than the widened candidates), top-p 0.9", flat,
+         SamplingParams(temperature=1.0, top_k=2000, top_p=0.9), 0),
     ]
 
 
 def full_sort_head(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
     filters = RowFilters.of(params, logits.shape[-1], logits.device)
     probs = temperature_min_p(logits, filters.temperature, filters.min_p)
-    return top_k_top_p_sorted(probs, filters.top_k, filters.top_p)
+    return top_k_top_p_sorted(probs, filters.top_k, filters.top_p, row_mass(probs))
 
 
-def test_candidate_head_is_the_full_sort_head_wherever_it_claims_to_be():
-    for name, logits, params, expected_exact in stress_rows():
+@pytest.mark.parametrize("stage", range(len(STRESS_SIZES)))
+def test_candidate_head_is_the_full_sort_head_wherever_it_claims_to_be(stage):
+    for name, logits, params, needs in stress_rows():
         filters = RowFilters.of([params], STRESS_VOCAB, logits.device)
         probs = temperature_min_p(logits[None], filters.temperature, filters.min_p)
-        size = max(STRESS_CANDIDATES, filters.max_top_k + 1)
-        [ids], [weights], [exact] = top_k_top_p_candidates(probs, filters.top_k, filters.top_p, size)
-        [sorted_ids], [sorted_weights] = top_k_top_p_sorted(probs, filters.top_k, filters.top_p)
+        mass = row_mass(probs)
+        size = max(STRESS_SIZES[stage], filters.max_top_k + 1)
+        [ids], [weights], [exact] = top_k_top_p_candidates(probs, filters.top_k, filters.top_p, size, mass)
+        [sorted_ids], [sorted_weights] = top_k_top_p_sorted(probs, filters.top_k, filters.top_p, mass)
         kept = sorted_weights > 0
-        assert bool(exact) == expected_exact, name
+        assert bool(exact) == (needs <= stage), name
         if exact:
             assert torch.equal(ids[weights > 0], sorted_ids[kept]), name
             assert torch.equal(weights[weights > 0], sorted_weights[kept]), name
-        else:  # the fallback is needed: the full head reaches the candidates' smallest probability
+        else:  # more candidates are needed: the full head reaches the candidates' smallest probability
             assert sorted_weights[kept][-1] <= probs[0].topk(size).values[-1], name
         if name.startswith("tie across the top-k"):
             assert sorted_ids[kept].tolist() == [900, 901, 902, 7, 50]  # ties: lower id first
+        if name.startswith("tie across the top-p"):
+            assert sorted_ids[kept].tolist() == [12, 40, 700]
 
 
-def test_sampled_tokens_are_draws_from_the_full_sort_with_the_same_uniforms():
-    _, rows, params, _ = zip(*stress_rows())
+@pytest.mark.parametrize("with_top_k", [True, False])
+def test_sampled_tokens_are_draws_from_the_full_sort_with_the_same_uniforms(with_top_k):
+    """For rows with their own seed and rows on the shared generator. Without top-k rows (whose
+    top_k sets the group's first candidate count), every stage runs: rows exact among the first
+    candidates, after one widening, and only in the full sort."""
+    _, rows, params, stages = zip(*[row for row in stress_rows() if with_top_k or row[2].top_k == 0])
     repeat = 40
     logits = torch.stack(rows).repeat(repeat, 1)
-    seqs = [SimpleNamespace(sampling_params=p, num_output_tokens=0) for p in params] * repeat
-    tokens = Sampler(seed=3, candidates=STRESS_CANDIDATES)(logits, seqs)
+    seqs = [SimpleNamespace(sampling_params=dataclasses.replace(p, seed=(7 * r + i if r % 2 else None)),
+                            num_output_tokens=r)
+            for r in range(repeat) for i, p in enumerate(params)]
+    sampler = Sampler(seed=3, candidates=STRESS_CANDIDATES, growth=STRESS_GROWTH)
+    tokens = sampler(logits, seqs)
     u = Sampler(seed=3).uniforms(seqs, logits.device)
     ids, weights = full_sort_head(logits, [seq.sampling_params for seq in seqs])
     assert tokens == ids.gather(-1, draw(weights, u)[:, None]).squeeze(-1).tolist()
+    if not with_top_k:
+        assert {1, 2} <= set(stages)
+        assert sampler.widened == repeat * sum(stage > 0 for stage in stages)
 
 
 def test_a_seeded_request_draws_the_same_token_in_any_batch():
