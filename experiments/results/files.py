@@ -119,6 +119,16 @@ def summary_table(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def rows_markdown(rows: Sequence[dict[str, Any]]) -> str:
+    """Rows of one table (dicts with the same keys) as a Markdown table, numbers to 4 significant digits."""
+    if not rows:
+        return ""
+    keys = list(rows[0])
+    lines = ["| " + " | ".join(keys) + " |", "| " + " | ".join("---" for _ in keys) + " |"]
+    lines += ["| " + " | ".join(_fmt(row.get(key)) for key in keys) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
 def summary_markdown(summary: dict[str, Any]) -> str:
     run = summary.get("run", {})
     title = " · ".join(f"{k}={v}" for k, v in run.items() if k in ("engine", "model", "cache", "scheduler", "attention", "attention_backend", "workload", "hardware"))
