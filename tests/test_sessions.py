@@ -12,8 +12,10 @@ from pathlib import Path
 import pytest
 
 from engine import LLM
+from engine.tokenizer import encode_chat
 from engines import build_engine
 from experiments.harness.driver import drive
+from experiments.harness.follow_ups import Answer
 from experiments.harness.records import RequestRecord
 from experiments.harness.sessions import Sessions, sessions
 from experiments.harness.workloads import WorkloadRequest, special_token_ids
@@ -82,6 +84,25 @@ def test_chat_template_turn_carries_answer_ids_and_text(byte_text_ckpt):
         assert [m["role"] for m in messages] == ["user", "assistant"] * turn + ["user"]
         if turn:
             assert messages[-2]["content"] == records[(user, turn - 1)].output_text
+
+
+def test_template_that_trims_answers_gets_its_full_rendering():
+    """A template that rewrites the answer (trims it) cannot be extended token by token: the prompt is its
+    full rendering of the conversation; one that keeps the answer as given is extended by the answer's ids."""
+    from conftest import BYTE_CHAT_TEMPLATE, byte_tokenizer
+
+    answer_text = " the answer \n"
+    for template, spliced in ((BYTE_CHAT_TEMPLATE.replace("m['content'] }}", "m['content'] | trim }}"), False),
+                              (BYTE_CHAT_TEMPLATE, True)):
+        tokenizer = byte_tokenizer()
+        tokenizer.chat_template = template
+        workload = sessions(259, [256, 257, 258], tokenizer, num_users=1, turns=2)
+        first = workload.first_requests()[0]
+        answer_ids = tokenizer.encode(answer_text, add_special_tokens=False)
+        (second,) = workload.after(first, Answer(answer_ids, answer_text, 1.0))
+        assert second.prompt_token_ids == encode_chat(tokenizer, second.messages)
+        carried = first.prompt_token_ids + answer_ids
+        assert (second.prompt_token_ids[: len(carried)] == carried) == spliced
 
 
 def test_turns_of_one_user_never_overlap_and_wait_the_think_time(tiny_llama_ckpt):

@@ -15,7 +15,8 @@ the tokens that close the assistant's turn and open the user's next message:
   answer and the new assistant turn (the template renders the whole conversation, the answer's
   text as the assistant message; the part after ``earlier prompt + answer text`` is cut out and
   encoded), and each request also carries the conversation as chat ``messages`` (what the chat
-  endpoint sends);
+  endpoint sends); a template that rewrites the answer (trims its whitespace) gets its own full
+  rendering of the conversation instead (:meth:`Renderer.next_turn`);
 * without a chat template (random-weight models have no tokenizer at all), a plain-text
   stand-in ``user: <message> assistant:``, encoded by the tokenizer or, without one, one stand-in
   token per word (:mod:`experiments.harness.text_tokens`).
@@ -100,20 +101,26 @@ class Renderer:
             messages = (*self.system, {"role": "user", "content": message})
             return encode_chat(self.tokenizer, messages), messages
         head = self.encode(f"system: {self.system[0]['content']}") if self.system else []
-        return head + self.encode(f"user: {message} assistant:"), ()
+        return head + self._stand_in(message), ()
 
-    def joint(self, messages: tuple[dict[str, str], ...], answer_text: str, message: str) -> tuple[list[int], tuple[dict[str, str], ...]]:
-        """Tokens between an answer and the next assistant turn, and the conversation through ``message``."""
+    def next_turn(self, prompt: list[int], answer_ids: list[int], messages: tuple[dict[str, str], ...],
+                  answer_text: str, message: str) -> tuple[list[int], tuple[dict[str, str], ...]]:
+        """The next turn's prompt (``prompt`` + ``answer_ids`` + the joint) and its conversation.
+
+        A template that rewrites what it was given (one that trims an answer's whitespace, or
+        changes earlier turns once more follow) cannot be extended token by token: the prompt is
+        then its full rendering of the conversation, as a chat server would build it."""
         if not self.chat:
-            return self.encode(f"user: {message} assistant:"), ()
+            return [*prompt, *answer_ids, *self._stand_in(message)], ()
         following = (*messages, {"role": "assistant", "content": answer_text}, {"role": "user", "content": message})
         head = render_chat(self.tokenizer, messages) + answer_text
         whole = render_chat(self.tokenizer, following)
         if not whole.startswith(head):
-            raise ValueError("workload=sessions: this chat template does not render a conversation as its earlier "
-                             "turns followed by the new ones (it rewrites earlier turns), so turn k cannot extend "
-                             "turn k-1's prompt")
-        return list(self.tokenizer.encode(whole[len(head):], add_special_tokens=False)), following
+            return encode_chat(self.tokenizer, following), following
+        return [*prompt, *answer_ids, *self.tokenizer.encode(whole[len(head):], add_special_tokens=False)], following
+
+    def _stand_in(self, message: str) -> list[int]:
+        return self.encode(f"user: {message} assistant:")
 
     def answer_ids(self, answer: Answer) -> list[int]:
         """The answer's token ids (encoded from its text when a server returned none)."""
@@ -174,8 +181,8 @@ class Sessions:
         answer_ids = self.renderer.answer_ids(answer)
         while answer_ids and answer_ids[-1] in self.special:  # the stop token: the template closes the turn itself
             answer_ids.pop()
-        joint, messages = self.renderer.joint(request.messages, answer.text, self.messages[place.user][nxt])
-        prompt = [*request.prompt_token_ids, *answer_ids, *joint]
+        prompt, messages = self.renderer.next_turn(request.prompt_token_ids, answer_ids, request.messages, answer.text,
+                                                   self.messages[place.user][nxt])
         return [self._issue(place.user, nxt, prompt, messages, answer.finish_s + float(self.think_s[place.user, nxt]))]
 
     def issued(self) -> list[WorkloadRequest]:
