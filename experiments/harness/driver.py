@@ -14,10 +14,15 @@ is busy with a step is handed over when the step ends, but it was *sent* at its 
 server's queue, that wait is the engine's and counts in TTFT. The engine is told the send time
 as the request's ``arrival_time``.
 
+A workload whose requests depend on earlier answers (multi-turn sessions) passes ``follow_ups``
+(:class:`~experiments.harness.follow_ups.FollowUps`): each successfully finished request's answer
+goes to it, and the requests it returns join the pending ones at their arrival offsets.
+
 Any engine with this small surface can be driven: servelab's ``LLM`` and the HF peers.
 """
 from __future__ import annotations
 
+import bisect
 import heapq
 import time
 from collections import deque
@@ -27,6 +32,7 @@ from typing import Any, Protocol
 
 from tqdm import tqdm
 
+from experiments.harness.follow_ups import Answer, FollowUps
 from experiments.harness.records import RequestRecord, record_from_output, step_to_dict
 from experiments.harness.workloads import WorkloadRequest
 
@@ -79,12 +85,15 @@ def drive(
     requests: Sequence[WorkloadRequest],
     max_concurrency: int | None = None,
     progress: bool = True,
+    follow_ups: FollowUps | None = None,
 ) -> DriveResult:
-    """Run ``requests`` through ``engine`` in real time; returns when every request finished."""
+    """Run ``requests`` (and the ``follow_ups`` they lead to) through ``engine`` in real time;
+    returns when every request finished."""
     if max_concurrency is not None and max_concurrency < 1:
         raise ValueError(f"max_concurrency must be >= 1 or None, got {max_concurrency}")
     pending = deque(sorted(requests, key=lambda r: r.arrival_offset_s))
-    names: dict[Any, str] = {}
+    issued = list(requests)
+    by_engine_id: dict[Any, WorkloadRequest] = {}
     arrival_times: dict[Any, float] = {}
     submit_times: dict[Any, float] = {}
     records: dict[str, RequestRecord] = {}
@@ -92,7 +101,8 @@ def drive(
     t0 = engine.clock()
     # when each free client slot became free (a min-heap; one entry per free slot under a cap)
     free_slots: list[float] = [t0] * max_concurrency if max_concurrency is not None else []
-    bar = tqdm(total=len(requests), desc="requests", unit="req", disable=not progress)
+    bar = tqdm(total=follow_ups.total_requests if follow_ups else len(requests), desc="requests", unit="req",
+               disable=not progress)
     try:
         while pending or engine.has_unfinished():
             now = engine.clock()
@@ -101,16 +111,23 @@ def drive(
                 arrival = t0 + request.arrival_offset_s
                 sent = arrival if max_concurrency is None else max(arrival, heapq.heappop(free_slots))
                 engine_id = engine.add_request(request.prompt_token_ids, request.sampling_params, arrival_time=sent)
-                names[engine_id] = request.request_id
+                by_engine_id[engine_id] = request
                 arrival_times[engine_id] = arrival
                 submit_times[engine_id] = sent
             if engine.has_unfinished():
                 for output in engine.step():
                     if not output.finished:
                         continue
-                    name = names[output.request_id]
-                    records[name] = record_from_output(output, name, submit_times[output.request_id], t0,
-                                                       arrival_time=arrival_times[output.request_id])
+                    request = by_engine_id[output.request_id]
+                    records[request.request_id] = record_from_output(
+                        output, request.request_id, submit_times[output.request_id], t0,
+                        arrival_time=arrival_times[output.request_id])
+                    if follow_ups is not None and getattr(output, "finish_reason", None) not in ("abort", "error"):
+                        finish = output.finish_time if output.finish_time is not None else engine.clock()
+                        answer = Answer(list(output.token_ids), getattr(output, "text", "") or "", finish - t0)
+                        for later in follow_ups.after(request, answer):
+                            bisect.insort(pending, later, key=lambda r: r.arrival_offset_s)
+                            issued.append(later)
                     if max_concurrency is not None:
                         heapq.heappush(free_slots, output.finish_time if output.finish_time is not None else engine.clock())
                     bar.update(1)
@@ -119,7 +136,7 @@ def drive(
     finally:
         bar.close()
     wall = engine.clock() - t0
-    ordered = [records[r.request_id] for r in requests if r.request_id in records]
+    ordered = [records[r.request_id] for r in issued if r.request_id in records]
     return DriveResult(records=ordered, steps=_relative_steps(list(engine.step_records)[first_step:], t0), t0=t0, wall_s=wall)
 
 

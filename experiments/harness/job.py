@@ -14,17 +14,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.harness.driver import drive, warm_up
 from experiments.harness.environment import environment
+from experiments.harness.follow_ups import FollowUps
 from experiments.harness.metrics import SLO, priority_class_metrics, queueing_metrics, request_metrics, step_metrics
 from experiments.results.plots import plot_run
 from experiments.harness.records import fill_priorities, fill_texts
 from experiments.results.files import (
-    requests_frame, sample_answers, steps_frame, summary_markdown, summary_table, write_csv, write_file, write_json,
-    write_text_file,
+    requests_frame, rows_markdown, sample_answers, steps_frame, summary_markdown, summary_table, write_csv, write_file,
+    write_json, write_text_file,
 )
 from experiments.harness.workloads import instantiate_workload, special_token_ids, tokenize_requests, warmup_requests
 
@@ -83,18 +85,20 @@ def _measure(cfg: DictConfig, out_dir: Path, summary: dict[str, Any]) -> list[Pa
             summary["run"]["timing"] = summary["simulation"]["timing"]
         tokenizer = getattr(engine, "tokenizer", None)
         special = special_token_ids(model_config, tokenizer)
-        requests = instantiate_workload(cfg.workload, model_config.vocab_size, special, tokenizer)
-        requests = tokenize_requests(requests, tokenizer)
+        workload = instantiate_workload(cfg.workload, model_config.vocab_size, special, tokenizer)
+        follow_ups = workload if isinstance(workload, FollowUps) else None  # requests that depend on answers (sessions)
+        requests = tokenize_requests(follow_ups.first_requests() if follow_ups else workload, tokenizer)
         warmup = warmup_requests(model_config.vocab_size, special, cfg.driver.warmup_requests)
         if hasattr(engine, "drive"):  # HTTP load clients send the workload themselves (experiments/http/engines.py)
             summary["setup_s"] = time.perf_counter() - setup_start
-            result = engine.drive(requests, cfg.driver.max_concurrency, warmup, progress=cfg.driver.progress)
+            result = engine.drive(requests, cfg.driver.max_concurrency, warmup, progress=cfg.driver.progress,
+                                  follow_ups=follow_ups)
         else:
             warm_up(engine, warmup)
             summary["setup_s"] = time.perf_counter() - setup_start
             if hasattr(engine, "start_run"):  # the simulator counts the measured run's steps, not the warm-up's
                 engine.start_run()
-            result = drive(engine, requests, cfg.driver.max_concurrency, progress=cfg.driver.progress)
+            result = drive(engine, requests, cfg.driver.max_concurrency, progress=cfg.driver.progress, follow_ups=follow_ups)
         if hasattr(engine, "describe"):  # the simulator, after the run: how far it left its calibration
             summary["simulation"] = engine.describe()
             engine.finish_run()  # warns if that is too far; simulator.strict: refuses the run
@@ -102,6 +106,8 @@ def _measure(cfg: DictConfig, out_dir: Path, summary: dict[str, Any]) -> list[Pa
         close = getattr(engine, "close", None)
         if close is not None:
             close()
+    if follow_ups is not None:
+        requests = follow_ups.issued()
     fill_texts(result.records, requests, tokenizer)
     fill_priorities(result.records, requests)
     summary["samples"] = sample_answers(result.records)
@@ -115,6 +121,10 @@ def _measure(cfg: DictConfig, out_dir: Path, summary: dict[str, Any]) -> list[Pa
     }
     if result.failures:
         summary["failures"] = result.failures
+    for name, rows in (follow_ups.tables(result.records) if follow_ups else {}).items():  # sessions: per-turn table
+        summary[name] = rows
+        files.append(write_csv(pd.DataFrame(rows), out_dir / f"{name}.csv"))
+        files.append(write_text_file(rows_markdown(rows), out_dir / f"{name}.md"))
     files.extend(write_json(content, out_dir / name) for name, content in result.extra_json.items())
     request_table, step_table = requests_frame(result.records, slo), steps_frame(result.steps)
     files.append(write_csv(request_table, out_dir / "requests.csv"))

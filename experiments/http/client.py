@@ -18,6 +18,11 @@ and ``vllm/benchmarks/serve.py``):
   the stream, or a stream without any token chunk; failures are counted with their reason and
   left out of every latency statistic.
 
+A workload whose later requests depend on earlier answers (multi-turn sessions) passes
+``follow_ups`` (:class:`~experiments.harness.follow_ups.FollowUps`): when a request's stream ends
+successfully, its answer (text, and token ids when the server returns them) goes to it, and the
+requests it returns are sent at their arrival offsets, as the in-process driver does.
+
 Prompts are token ids or, for a text workload (``workload.prompt_format=text``), text (completions
 endpoint), or, for the chat endpoint, messages: a chat workload's conversation, or a prompt's text
 (a token-id prompt decoded with the model's tokenizer) as one user message.
@@ -36,6 +41,7 @@ import aiohttp
 from tqdm import tqdm
 
 from experiments.harness.driver import DriveResult
+from experiments.harness.follow_ups import Answer, FollowUps
 from experiments.harness.records import RequestRecord
 from experiments.harness.workloads import WorkloadRequest
 
@@ -182,33 +188,44 @@ class LoadRun:
 
 
 async def run_load(target: HTTPTarget, requests: Sequence[WorkloadRequest], max_concurrency: int | None,
-                   chat_messages: dict[str, list[dict[str, str]]] | None = None, progress: bool = True) -> LoadRun:
-    """Send ``requests`` at their arrival offsets, at most ``max_concurrency`` in flight."""
+                   chat_messages: dict[str, list[dict[str, str]]] | None = None, progress: bool = True,
+                   follow_ups: FollowUps | None = None) -> LoadRun:
+    """Send ``requests`` (and the ``follow_ups`` they lead to) at their arrival offsets, at most
+    ``max_concurrency`` in flight."""
     if max_concurrency is not None and max_concurrency < 1:
         raise ValueError(f"max_concurrency must be >= 1 or None, got {max_concurrency}")
     connector = aiohttp.TCPConnector(limit=max_concurrency or 0, limit_per_host=max_concurrency or 0,
                                      keepalive_timeout=60)
     cap = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-    bar = tqdm(total=len(requests), desc="requests", unit="req", disable=not progress)
+    bar = tqdm(total=follow_ups.total_requests if follow_ups else len(requests), desc="requests", unit="req",
+               disable=not progress)
     conversations = chat_messages or {}
+    tasks: list[asyncio.Task[HTTPOutcome]] = []
 
     async def one(session: aiohttp.ClientSession, request: WorkloadRequest, t0: float) -> HTTPOutcome:
         outcome = HTTPOutcome(request, arrival=t0 + request.arrival_offset_s)
         await asyncio.sleep(max(0.0, outcome.arrival - time.perf_counter()))
-        payload = request_payload(target, request, conversations.get(request.request_id))
+        payload = request_payload(target, request, conversations.get(request.request_id) or list(request.messages))
         if cap is None:
             await send(session, target, payload, outcome)
         else:
             async with cap:
                 await send(session, target, payload, outcome)
         bar.update(1)
+        if follow_ups is not None and outcome.success:
+            answer = Answer(list(outcome.token_ids), outcome.text, time.perf_counter() - t0)
+            for later in follow_ups.after(request, answer):
+                tasks.append(asyncio.ensure_future(one(session, later, t0)))
         return outcome
 
     timeout = aiohttp.ClientTimeout(total=target.timeout_s)
     try:
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
             t0 = time.perf_counter()
-            outcomes = await asyncio.gather(*(one(session, r, t0) for r in requests))
+            tasks.extend(asyncio.ensure_future(one(session, r, t0)) for r in requests)
+            for task in tasks:  # grows while it is walked: follow-ups join as their turn comes
+                await task
+            outcomes = [task.result() for task in tasks]
             wall = time.perf_counter() - t0
     finally:
         bar.close()

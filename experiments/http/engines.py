@@ -33,6 +33,7 @@ from engine.model_config import ModelConfig
 from engine.tokenizer import decode, load_tokenizer, require_tokenizer
 from experiments.harness.driver import DriveResult
 from experiments.harness.environment import APPLIED_LOG_PREFIX
+from experiments.harness.follow_ups import FollowUps
 from experiments.http.client import HTTPTarget, drive_result, run_load, warm_up
 from experiments.harness.metrics import SLO
 from experiments.http.server_process import ServerError, ServerProcess, free_loopback_port, server_config, start_serve_py
@@ -106,8 +107,10 @@ class OpenAIEngine:
                 for r in requests}
 
     def drive(self, requests: Sequence[WorkloadRequest], max_concurrency: int | None,
-              warmup: Sequence[WorkloadRequest], progress: bool = True) -> DriveResult:
-        """Warm up, then send ``requests`` with their arrival offsets; returns the run's records."""
+              warmup: Sequence[WorkloadRequest], progress: bool = True,
+              follow_ups: FollowUps | None = None) -> DriveResult:
+        """Warm up, then send ``requests`` (and their ``follow_ups``) with their arrival offsets;
+        returns the run's records."""
         conversations = self.chat_messages([*warmup, *requests])
 
         async def measured() -> tuple[Any, dict[str, Any]]:
@@ -115,7 +118,7 @@ class OpenAIEngine:
             sampler = MetricsSampler(self.target.base_url, self.metrics_interval_s)
             await sampler.start()
             try:
-                run = await run_load(self.target, requests, max_concurrency, conversations, progress)
+                run = await run_load(self.target, requests, max_concurrency, conversations, progress, follow_ups)
             finally:
                 await sampler.stop()
             return run, sampler.summary()

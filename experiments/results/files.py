@@ -124,6 +124,16 @@ def summary_table(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def rows_markdown(rows: Sequence[dict[str, Any]]) -> str:
+    """Rows of one table (dicts with the same keys) as a Markdown table, numbers to 4 significant digits."""
+    if not rows:
+        return ""
+    keys = list(rows[0])
+    lines = ["| " + " | ".join(keys) + " |", "| " + " | ".join("---" for _ in keys) + " |"]
+    lines += ["| " + " | ".join(_fmt(row.get(key)) for key in keys) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
 def run_title(summary: dict[str, Any]) -> str:
     """``engine=servelab · model=... · cache=paged ...``: what the run was, for page and file titles."""
     run = summary.get("run", {})
