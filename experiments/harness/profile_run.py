@@ -15,9 +15,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from engine.config import instantiate_strategy
 from experiments.harness.job import execute
 from experiments.harness.load_levels import LoadLevel
 from experiments.harness.profiles import FixedProfile, Profile, Series
@@ -31,8 +31,8 @@ class ProfileFailed(RuntimeError):
 
 
 def build_profile(cfg: DictConfig) -> FixedProfile | Profile:
-    """The configured profile (``ValueError`` naming the field for a bad one)."""
-    return instantiate(cfg.profile)
+    """The configured profile (``ValueError`` naming the field for a bad one, not Hydra's wrapper)."""
+    return instantiate_strategy(cfg.profile)
 
 
 def run_profile(cfg: DictConfig, profile: Profile, out_dir: Path, choices: dict[str, Any],
