@@ -29,6 +29,13 @@ def _drawable(frame: pd.DataFrame) -> pd.DataFrame | None:
     return ok if len(ok) >= 2 else None
 
 
+def _mark_anchors(ax, ok: pd.DataFrame, column: str) -> None:
+    """Name the synchronous and throughput points beside them."""
+    for row in ok[ok["phase"].isin(("synchronous", "throughput"))].itertuples():
+        ax.annotate(row.phase, (row.request_throughput, getattr(row, column)), fontsize=7,
+                    textcoords="offset points", xytext=(4, 4))
+
+
 def plot_latency_vs_rate(frame: pd.DataFrame, path: Path, title: str) -> Path | None:
     """TTFT / ITL / E2E percentiles against the achieved request rate, one panel each."""
     ok = _drawable(frame)
@@ -38,6 +45,7 @@ def plot_latency_vs_rate(frame: pd.DataFrame, path: Path, title: str) -> Path | 
     for ax, (metric, label) in zip(axes, LATENCIES):
         for percentile in PERCENTILES:
             ax.plot(ok["request_throughput"], ok[f"{metric}_{percentile}"], marker="o", label=percentile)
+        _mark_anchors(ax, ok, f"{metric}_p99")
         ax.set(xlabel="achieved request rate (req/s)", ylabel=label)
         ax.legend(fontsize=7)
     fig.suptitle(title)
@@ -53,6 +61,7 @@ def plot_goodput_vs_rate(frame: pd.DataFrame, path: Path, title: str, max_goodpu
     ax.plot(ok["request_throughput"], ok["request_throughput"], linestyle="--", color="grey",
             label="achieved rate (every request good)")
     ax.plot(ok["request_throughput"], ok["goodput"], marker="o", label="goodput")
+    _mark_anchors(ax, ok, "goodput")
     judged = ok[ok["verdict"].notna()]
     for verdict, part in judged.groupby("verdict"):
         ax.scatter(part["request_throughput"], part["goodput"], s=60, zorder=3,
