@@ -22,6 +22,7 @@ from experiments.harness.profiles import (
 )
 from experiments.harness.records import RequestRecord
 from experiments.harness.saturation import SaturationRule
+from experiments.results.profile_table import profile_frame
 from tests.harness_runs import SIMULATED_TINY, choices_of, compose_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -132,6 +133,11 @@ def test_early_stop_skips_the_levels_above_the_first_saturated_run(tmp_path: Pat
     assert [level.rate for level in fake.levels[2:]] == pytest.approx([4.0, 6.0])
     assert [level.rate for level in series.skipped] == pytest.approx([8.0, 10.0])
     assert series.stopped.startswith("saturated at rate-6") and not series.failed
+    table = profile_frame(series)  # the skipped levels are in the table, with the reason
+    skipped = table[table["status"] == "skipped"]
+    assert list(skipped["target_rate"]) == pytest.approx([8.0, 10.0])
+    assert all(note.startswith("saturated at rate-6: queue grew") for note in skipped["note"])
+    assert list(table["saturated"].fillna("")) == ["", "queue grew", "", "queue grew", "", ""]
     series_off = series_of(FakeServer(capacity=12.0, saturates_above=5.0), tmp_path / "off")
     RateSweep(num_rates=4, early_stop=False).run_series(series_off)
     assert len(series_off.runs) == 6 and not series_off.skipped
