@@ -89,11 +89,12 @@ for name in "${experiments[@]}"; do
     simulator_validation) OMP_NUM_THREADS=1 sweep "$name" "$name" hardware="$CALIBRATION" ;;
     simulator_speed) simulator_speed ;;
     rate_sweep)  # load profiles (docs/profiles.md) on the real model through serve.py
-      $PY run.py profile=rate_sweep profile.num_rates=4 engine=servelab_http workload=random workload.num_prompts=32 \
-        driver.progress=false hydra.run.dir="$OUT/$name" ;;
+      OMP_NUM_THREADS=1 $PY run.py profile=rate_sweep profile.num_rates=4 engine=servelab_http workload=random \
+        workload.input_len=32 workload.output_len=64 workload.num_prompts=32 driver.progress=false hydra.run.dir="$OUT/$name" ;;
     max_goodput)
-      $PY run.py profile=max_goodput engine=servelab_http workload=random workload.num_prompts=32 slo.ttft_s=0.5 \
-        slo.tpot_s=0.05 driver.progress=false hydra.run.dir="$OUT/$name" ;;
+      OMP_NUM_THREADS=1 $PY run.py profile=max_goodput engine=servelab_http workload=random workload.input_len=32 \
+        workload.output_len=64 workload.num_prompts=32 slo.ttft_s=0.5 slo.tpot_s=0.05 driver.progress=false \
+        hydra.run.dir="$OUT/$name" ;;
     *) sweep "$name" "$name" model=smollm2-135m ;;
   esac
 done
