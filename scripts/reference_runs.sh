@@ -93,7 +93,7 @@ for name in "${experiments[@]}"; do
         workload.input_len=32 workload.output_len=64 workload.num_prompts=32 driver.progress=false hydra.run.dir="$OUT/$name" ;;
     max_goodput)
       OMP_NUM_THREADS=1 $PY run.py profile=max_goodput engine=servelab_http workload=random workload.input_len=32 \
-        workload.output_len=64 workload.num_prompts=32 slo.ttft_s=0.5 slo.tpot_s=0.05 driver.progress=false \
+        workload.output_len=64 workload.num_prompts=32 slo.ttft_s=0.1 slo.tpot_s=0.015 driver.progress=false \
         hydra.run.dir="$OUT/$name" ;;
     *) sweep "$name" "$name" model=smollm2-135m ;;
   esac
