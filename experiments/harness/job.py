@@ -21,6 +21,8 @@ from omegaconf import DictConfig, OmegaConf
 from experiments.harness.driver import drive, warm_up
 from experiments.harness.environment import environment
 from experiments.harness.follow_ups import FollowUps
+from experiments.harness.load_levels import LoadLevel
+from experiments.harness.saturation import SaturationRule
 from experiments.harness.metrics import SLO, priority_class_metrics, queueing_metrics, request_metrics, step_metrics
 from experiments.results.plots import plot_run
 from experiments.harness.records import fill_priorities, fill_texts
@@ -70,7 +72,8 @@ def run_labels(cfg: DictConfig, choices: dict[str, Any], overrides: list[str]) -
     return labels
 
 
-def _measure(cfg: DictConfig, out_dir: Path, summary: dict[str, Any]) -> list[Path]:
+def _measure(cfg: DictConfig, out_dir: Path, summary: dict[str, Any], load: LoadLevel | None,
+             saturation: SaturationRule | None) -> list[Path]:
     files = [write_file(out_dir / "config.yaml", lambda partial: OmegaConf.save(cfg, partial, resolve=True))]
     slo = SLO(**OmegaConf.to_container(cfg.slo, resolve=True))
     setup_start = time.perf_counter()
@@ -88,17 +91,20 @@ def _measure(cfg: DictConfig, out_dir: Path, summary: dict[str, Any]) -> list[Pa
         workload = instantiate_workload(cfg.workload, model_config.vocab_size, special, tokenizer)
         follow_ups = workload if isinstance(workload, FollowUps) else None  # requests that depend on answers (sessions)
         requests = tokenize_requests(follow_ups.first_requests() if follow_ups else workload, tokenizer)
+        max_concurrency = cfg.driver.max_concurrency
+        if load is not None:  # a load profile's level: its arrival times and client-side cap
+            requests, max_concurrency = load.apply(requests, cfg.seed), load.concurrency
         warmup = warmup_requests(model_config.vocab_size, special, cfg.driver.warmup_requests)
         if hasattr(engine, "drive"):  # HTTP load clients send the workload themselves (experiments/http/engines.py)
             summary["setup_s"] = time.perf_counter() - setup_start
-            result = engine.drive(requests, cfg.driver.max_concurrency, warmup, progress=cfg.driver.progress,
+            result = engine.drive(requests, max_concurrency, warmup, progress=cfg.driver.progress,
                                   follow_ups=follow_ups)
         else:
             warm_up(engine, warmup)
             summary["setup_s"] = time.perf_counter() - setup_start
             if hasattr(engine, "start_run"):  # the simulator counts the measured run's steps, not the warm-up's
                 engine.start_run()
-            result = drive(engine, requests, cfg.driver.max_concurrency, progress=cfg.driver.progress, follow_ups=follow_ups)
+            result = drive(engine, requests, max_concurrency, progress=cfg.driver.progress, follow_ups=follow_ups)
         if hasattr(engine, "describe"):  # the simulator, after the run: how far it left its calibration
             summary["simulation"] = engine.describe()
             engine.finish_run()  # warns if that is too far; simulator.strict: refuses the run
@@ -121,6 +127,8 @@ def _measure(cfg: DictConfig, out_dir: Path, summary: dict[str, Any]) -> list[Pa
     }
     if result.failures:
         summary["failures"] = result.failures
+    if saturation is not None:
+        summary["saturated"] = saturation.check(result.records, result.steps)
     for name, rows in (follow_ups.tables(result.records) if follow_ups else {}).items():  # sessions: per-turn table
         summary[name] = rows
         files.append(write_csv(pd.DataFrame(rows), out_dir / f"{name}.csv"))
@@ -134,16 +142,23 @@ def _measure(cfg: DictConfig, out_dir: Path, summary: dict[str, Any]) -> list[Pa
     return files
 
 
-def execute(cfg: DictConfig, out_dir: Path, choices: dict[str, Any], overrides: list[str]) -> JobOutcome:
-    """Run one configuration; never raises (the error is in the outcome and in summary.json)."""
+def execute(cfg: DictConfig, out_dir: Path, choices: dict[str, Any], overrides: list[str],
+            load: LoadLevel | None = None, saturation: SaturationRule | None = None) -> JobOutcome:
+    """Run one configuration; never raises (the error is in the outcome and in summary.json).
+
+    A load profile passes the ``load`` level of this run (arrival times and client-side cap) and
+    the ``saturation`` rule whose verdict goes into ``summary["saturated"]`` (the reason, or None)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     summary: dict[str, Any] = {"status": "ok", "error": None, "run": run_labels(cfg, choices, overrides),
                                "slo": OmegaConf.to_container(cfg.slo, resolve=True) if "slo" in cfg else None,
                                "metrics": {}}
+    if load is not None:
+        summary["load"] = load.to_dict()
+        summary["run"]["concurrency"] = load.concurrency
     error: BaseException | None = None
     files: list[Path] = []
     try:
-        files = _measure(cfg, out_dir, summary)
+        files = _measure(cfg, out_dir, summary, load, saturation)
     except Exception as exc:  # noqa: BLE001 -- recorded, then re-raised by run.py for single runs
         error = exc
         summary.update(status="failed", error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
