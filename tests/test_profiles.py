@@ -266,7 +266,7 @@ def test_max_goodput_on_the_simulator_reports_every_probe(tmp_path: Path) -> Non
     assert list(table.loc[table["phase"] == "probe", "verdict"]) == [run.verdict for run in probes]
 
 
-def test_run_py_profile_writes_series_table_and_plots_and_exits_nonzero_on_a_failed_anchor(tmp_path: Path) -> None:
+def test_run_py_profile_writes_series_table_plots_and_page_and_exits_nonzero_on_a_failed_anchor(tmp_path: Path) -> None:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     ok = subprocess.run([sys.executable, "run.py", *SIM_RANDOM, "plots=true", "workload.num_prompts=16",
                          "profile=rate_sweep", "profile.num_rates=1", f"hydra.run.dir={tmp_path / 'ok'}"],
@@ -274,7 +274,7 @@ def test_run_py_profile_writes_series_table_and_plots_and_exits_nonzero_on_a_fai
     assert ok.returncode == 0, ok.stderr[-3000:]
     names = {p.name for p in (tmp_path / "ok").iterdir()}
     assert {"00-synchronous", "01-throughput", "profile.md", "profile.csv", "profile.json",
-            "latency_vs_rate.png", "goodput_vs_rate.png"} <= names
+            "latency_vs_rate.png", "goodput_vs_rate.png", "report.html"} <= names
     assert any(name.startswith("02-rate-") for name in names) and "# servelab load profile: rate_sweep" in ok.stdout
     # the tiny model has no tokenizer, so text prompts fail the synchronous run
     failed = subprocess.run([sys.executable, "run.py", *SIM_RANDOM, "workload.prompt_format=text", "profile=rate_sweep",

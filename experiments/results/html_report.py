@@ -201,14 +201,16 @@ def write_html_report(folder: Path, replace: bool = False) -> Path:
 
 
 class RunPageCallback(Callback):
-    """Hydra callback: ``report.html`` beside a run's files when its job ends (every job of a multirun too).
+    """Hydra callback: ``report.html`` beside a run's files when its job ends (every job of a multirun too;
+    for a load profile, one page over its series' level folders).
     A page that cannot be written is logged, never fails the run."""
 
     def on_job_end(self, config: DictConfig, job_return: Any = None, **kwargs: Any) -> None:
         if not config.get("html_report", True):
             return
         out_dir = Path(config.hydra.runtime.output_dir)
-        if not (out_dir / "summary.json").is_file():
+        # a single run has summary.json; a load profile's series has one per level folder below it
+        if not (out_dir / "summary.json").is_file() and not any(out_dir.glob("*/summary.json")):
             log.warning("no report.html for %s: the run wrote no summary.json", out_dir)
             return
         try:
