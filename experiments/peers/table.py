@@ -16,6 +16,12 @@ Runs that failed are not dropped: an engine none of whose runs succeeded gets a 
 with some failed runs says how many in ``failed``. With ``targets`` (ratios to reach, from the experiment's YAML),
 ``peer_targets.md/.csv`` marks each one met or not with the measured ratio.
 ``python -m experiments.peers.table <sweep dir>`` rebuilds the table from the run folders.
+
+With ``+peer_shape`` swept (conf/peer_shape/: the workload shapes the field quotes, e.g. random
+128/64 greedy and sampled, random 1024/128, chat), rows are grouped per shape first (a ``shape``
+column), and each shape also gets its own table ``peer_table_<shape>.md/.csv`` and plot
+``peer_<shape>.png`` (output tok/s and TTFT p50 against concurrency, one line per engine); a
+target with a ``shape`` applies to that shape's rows only.
 """
 from __future__ import annotations
 
@@ -26,9 +32,11 @@ from typing import Any
 import pandas as pd
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from experiments.results.plots import plot_vs
 from experiments.results.report import ReportCallback, collect, write_table_files
 
 REFERENCE = "servelab_http"
+SHAPE = "override:peer_shape"   # the +peer_shape option of a run (conf/peer_shape/), when swept
 METRICS = {"output_throughput": "output tok/s", "ttft_s_p50": "TTFT p50 (s)", "ttft_s_p99": "TTFT p99 (s)",
            "tpot_s_p50": "TPOT p50 (s)"}  # medians over repeats
 RATIOS = {f"{REFERENCE} / this tok/s": "output_throughput", f"{REFERENCE} / this TTFT p50": "ttft_s_p50"}
@@ -47,7 +55,18 @@ def first_line(error: Any) -> str:
 
 
 def peer_table(frame: pd.DataFrame) -> pd.DataFrame:
-    """One row per (concurrency, engine), the reference first, then in run order (see the module docstring)."""
+    """One row per ([shape,] concurrency, engine), the reference first, then in run order (see the
+    module docstring); shapes in run order."""
+    if SHAPE in frame and frame[SHAPE].notna().any():
+        shapes = list(dict.fromkeys(frame[SHAPE].dropna()))
+        parts = [shape_rows(frame[frame[SHAPE] == shape]).assign(shape=shape) for shape in shapes]
+        table = pd.concat(parts, ignore_index=True)
+        return table[["shape", *[c for c in table.columns if c != "shape"]]]
+    return shape_rows(frame)
+
+
+def shape_rows(frame: pd.DataFrame) -> pd.DataFrame:
+    """The rows of one shape: per concurrency, one per engine."""
     frame = frame.assign(peer=engine_names(frame))
     order = list(dict.fromkeys(frame["peer"]))
     rows: list[dict[str, Any]] = []
@@ -80,13 +99,16 @@ def target_checks(table: pd.DataFrame, targets: list[dict[str, Any]]) -> pd.Data
     rows = []
     for target in targets:
         match = table[(table["concurrency"] == target["concurrency"]) & (table["engine"] == target["peer"])]
+        if "shape" in target:
+            match = match[match["shape"] == target["shape"]] if "shape" in match else match.iloc[0:0]
         measured = match[target["ratio"]].iloc[0] if not match.empty and target["ratio"] in match else None
         bound = f">= {target['at_least']}" if "at_least" in target else f"<= {target['at_most']}"
         if measured is None or pd.isna(measured):
             met = "not measured"
         else:
             met = "met" if (measured >= target["at_least"] if "at_least" in target else measured <= target["at_most"]) else "NOT met"
-        rows.append({"concurrency": target["concurrency"], "peer": target["peer"], "ratio": target["ratio"],
+        rows.append({**({"shape": target["shape"]} if "shape" in target else {}),
+                     "concurrency": target["concurrency"], "peer": target["peer"], "ratio": target["ratio"],
                      "target": bound, "measured": measured, "result": met})
     return pd.DataFrame(rows)
 
@@ -94,6 +116,12 @@ def target_checks(table: pd.DataFrame, targets: list[dict[str, Any]]) -> pd.Data
 def write_peer_table(root: Path, targets: list[dict[str, Any]] | None = None) -> str:
     table = peer_table(collect(root))
     text = write_table_files(table, root, "peer_table")
+    for shape, rows in (table.groupby("shape", sort=False) if "shape" in table else ()):
+        rows = rows.drop(columns="shape")
+        write_table_files(rows, root, f"peer_table_{shape}")
+        ran = rows.assign(status=(rows["runs"] > 0).map({True: "ok", False: "not run"}))
+        plot_vs(ran, "concurrency", [("output tok/s", "output tok/s"), ("TTFT p50 (s)", "TTFT p50 (s)")],
+                root / f"peer_{shape}.png", label=lambda row: row["engine"])
     if targets:
         text += "\n\ntargets:\n" + write_table_files(target_checks(table, targets), root, "peer_targets")
     return text
