@@ -185,7 +185,7 @@ def test_a_failed_install_says_why_and_is_not_marked_ready(tmp_path: Path, monke
 
 
 def ready_vllm_python() -> Path | None:
-    """The installed CPU build's Python: in this session's cache, or in the user's (conftest points
+    """The installed CPU build's Python: in the test run's cache, or in the user's (conftest points
     ``SERVELAB_CACHE`` at a throwaway folder, so the user's default cache is looked at too)."""
     for cache in (None, Path.home() / ".cache" / "servelab"):
         venv = vllm_install.venv_dir(cache)
