@@ -14,8 +14,10 @@ install: $(STAMP)
 run: $(STAMP)
 	$(PY) run.py $(ARGS)
 
+# The fast suite on one worker per core (at most 4; pytest-xdist), whole files per worker so each
+# file's fixtures are built once.
 test: $(STAMP)
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q -n auto --maxprocesses 4 --dist loadfile $(ARGS)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow $(ARGS)

@@ -72,12 +72,15 @@ def test_converted_config_and_eos(real_llm):
 
 def test_logits_equal_transformers_loading_the_gguf(real_ckpt, real_llm, real_hf_from_gguf, real_prompts):
     """Every prompt position's logits of servelab's float32 forward (plain linears, reference
-    attention) within 1e-4 of HF's; the engine's first step (torch_sdpa, prepacked linears and
-    fused ops, which sum in another order) within 1e-4 + 1e-5 relative (logits reach ~40)."""
+    attention) within 2e-4 of HF's, and the engine's first step (torch_sdpa, prepacked linears and
+    fused ops) within 1e-4 + 1e-5 relative (logits reach ~40: 2e-4 is 5e-6 of their range). Both sum
+    in another order than HF (fused q/k/v and gate/up matmuls), and the BLAS picks its blocking by
+    CPU: the plain forward's largest difference read 1.6e-4 on a 2-core Intel Xeon (AVX-512, AMX)
+    on 2026-12-05, under 1e-4 on a 2-core AMD EPYC."""
     with torch.no_grad():
         expected = torch.cat([real_hf_from_gguf(torch.tensor([p])).logits[0] for p in real_prompts])
     plain, _ = load_model(real_ckpt, torch.float32, "cpu")
-    torch.testing.assert_close(our_prefill_logits(plain, real_prompts), expected, rtol=0, atol=1e-4)
+    torch.testing.assert_close(our_prefill_logits(plain, real_prompts), expected, rtol=0, atol=2e-4)
     last_rows = torch.tensor([len(p) for p in real_prompts]).cumsum(0) - 1
     (engine_logits,) = first_step_logits((real_llm,), real_prompts)
     torch.testing.assert_close(engine_logits, expected[last_rows], rtol=1e-5, atol=1e-4)
