@@ -80,17 +80,20 @@ def test_peer_benchmark_quick_check_on_tiny_runs_end_to_end(tmp_path):
 SHAPES = ["random_greedy", "random_sampled", "random_long", "chat"]
 
 
+@pytest.mark.parametrize("experiment_last", [False, True], ids=["experiment-first", "as-the-sweep-orders-them"])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_each_peer_shape_composes_with_the_experiment_and_the_vllm_presets(shape):
+def test_each_peer_shape_composes_with_the_experiment_and_the_vllm_presets(shape, experiment_last):
     """+peer_shape=<shape> sets the workload the shape names on top of the experiment, beside a vLLM preset,
-    and the experiment sweeps every shape and the vLLM presets."""
+    in either order of the overrides (a sweep's job puts ``+experiment`` after the swept ones), and the
+    experiment sweeps every shape and the vLLM presets."""
     from hydra import compose, initialize_config_dir
 
     from engine.config import CONF_DIR
 
+    overrides = [f"+peer_shape={shape}", "workload.concurrency=8", "+serving=vllm_bf16"]
+    overrides = overrides + ["+experiment=peer_benchmark"] if experiment_last else ["+experiment=peer_benchmark"] + overrides
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose("config", overrides=["+experiment=peer_benchmark", f"+peer_shape={shape}", "+serving=vllm_bf16"],
-                      return_hydra_config=True)
+        cfg = compose("config", overrides=overrides, return_hydra_config=True)
     assert cfg.engine._target_ == "experiments.peers.vllm.VLLMEngine.from_config" and cfg.engine.dtype == "bfloat16"
     swept = cfg.hydra.sweeper.params
     assert swept["+peer_shape"].split(",") == SHAPES
