@@ -69,6 +69,14 @@ class LLM:
             when its C kernel builds (another 1.1-1.7x there); each copy costs the linear weights'
             size in memory. ``True``
             requires oneDNN, ``False`` keeps plain ``F.linear``.
+        prefill_dtype: performance option, the dtype of the oneDNN-prepacked copies, which serve
+            the steps of more rows than the skinny GEMM takes (prompts). ``"float32"`` (default)
+            changes no result. ``"bfloat16"`` packs them in bfloat16 and rounds those steps'
+            inputs to bfloat16 (float32 sums and outputs); it needs ``prepack`` and a CPU with
+            bfloat16 dot products (AVX512-BF16 or AMX), else a ``ValueError``. ``"auto"``: bfloat16
+            where the CPU has them, else float32. Decode-sized steps stay float32 / quantized;
+            under bfloat16 a prompt's tokens can depend on how its step was composed, so every
+            token-identity claim of the project holds for float32 (docs/decisions.md).
         quantized_weights: performance option. ``"auto"`` (default): for a checkpoint converted
             from a GGUF file (``model=smollm2-135m-instruct``, a ``.gguf`` path), every weight stored
             there as Q4_1 or Q8_0 also keeps its blocks, and inputs of at most
@@ -115,6 +123,7 @@ class LLM:
         fused_ops: bool | str = "auto",
         keep_freed_memory: bool | str = "auto",
         quantized_weights: bool | str = "auto",
+        prefill_dtype: str = "float32",
         scheduler_options: dict[str, Any] | None = None,
         attention_options: dict[str, Any] | None = None,
     ) -> None:
@@ -130,12 +139,13 @@ class LLM:
             attention_options=attention_options or {},
         )
         self.build(cfg, PerformanceOptions(prepack=prepack, quantized_weights=quantized_weights, fused_ops=fused_ops,
-                                           keep_freed_memory=keep_freed_memory, cuda_graphs=cuda_graphs))
+                                           keep_freed_memory=keep_freed_memory, cuda_graphs=cuda_graphs,
+                                           prefill_dtype=prefill_dtype))
 
     @classmethod
     def from_config(
         cls, cfg: DictConfig, prepack: bool | str = "auto", cuda_graphs: bool = False, fused_ops: bool | str = "auto",
-        keep_freed_memory: bool | str = "auto", quantized_weights: bool | str = "auto",
+        keep_freed_memory: bool | str = "auto", quantized_weights: bool | str = "auto", prefill_dtype: str = "float32",
     ) -> "LLM":
         """Build from a composed config with ``model``, ``cache``, ``scheduler``, ``attention``,
         ``device``, ``dtype`` and ``seed`` (what ``run.py`` gets from Hydra).
@@ -144,7 +154,8 @@ class LLM:
         """
         llm = cls.__new__(cls)
         llm.build(cfg, PerformanceOptions(prepack=prepack, quantized_weights=quantized_weights, fused_ops=fused_ops,
-                                          keep_freed_memory=keep_freed_memory, cuda_graphs=cuda_graphs))
+                                          keep_freed_memory=keep_freed_memory, cuda_graphs=cuda_graphs,
+                                          prefill_dtype=prefill_dtype))
         return llm
 
     def build(self, cfg: DictConfig, options: PerformanceOptions) -> None:
@@ -193,6 +204,7 @@ class LLM:
 
     # What the performance options applied, read from ``self.performance`` (AppliedOptions).
     prepacked = AppliedOption()
+    prefill_dtype = AppliedOption()
     skinny_gemm_max_rows = AppliedOption()
     skinny_gemm_tile_rows = AppliedOption()
     onednn_row_buckets = AppliedOption()

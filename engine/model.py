@@ -281,18 +281,20 @@ class CausalLM(nn.Module):
             if isinstance(module, (RMSNorm, MLP)):
                 module.fused_ops = fused_ops
 
-    def prepack(self, min_rows: int = 1, batch_hint: int = 32, skinny_gemm: SkinnyGemm | None = None) -> None:
-        """Give every projection (and the LM head) a oneDNN-prepacked weight copy, and with
-        ``skinny_gemm`` also its panel copy for inputs of few rows.
+    def prepack(self, min_rows: int = 1, batch_hint: int = 32, skinny_gemm: SkinnyGemm | None = None,
+                packed_dtype: torch.dtype = torch.float32) -> None:
+        """Give every projection (and the LM head) a oneDNN-prepacked weight copy in ``packed_dtype``
+        (float32, or bfloat16 for reduced-precision prefill), and with ``skinny_gemm`` also its
+        float32 panel copy for inputs of few rows.
 
-        CPU float32 only (see :func:`engine.weight_copies.onednn_linear_supported`). Costs one extra copy of the
+        A CPU float32 model only (see :func:`engine.weight_copies.onednn_linear_supported`). Costs one extra copy of the
         linear weights in memory per packing; the originals stay for ``state_dict``.
         """
         # every projection, then the LM head: the order a step reads them (forward order)
         copies = [(module, module.weight) for module in self.modules() if isinstance(module, Linear) and module is not self.lm_head]
         copies.append((self.logits_head, self.logits_weight))
         for holder, weight in copies:
-            holder.packed = prepack_weight(weight, batch_hint)
+            holder.packed = prepack_weight(weight, batch_hint, packed_dtype)
             holder.min_rows = min_rows
         if skinny_gemm is not None:
             # All panels in one huge-page buffer, in that order: one stream of weights per decode step.

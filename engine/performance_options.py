@@ -15,7 +15,9 @@ on earlier ones (:func:`apply_performance_options`): ``prepack`` gives each weig
 skinny-GEMM copies (:mod:`engine.weight_copies`); ``quantized_weights`` adds the GGUF blocks' copy;
 ``fused_ops`` swaps in the fused C kernels and, where every linear has a C kernel, runs whole
 decoder layers in C (:mod:`engine.native_layers`); ``keep_freed_memory`` tunes ``malloc``.
-``cuda_graphs`` is applied later, by the runner. What was applied (:class:`AppliedOptions`) is what
+``prefill_dtype`` picks the dtype of the oneDNN copies (float32, or bfloat16 where the CPU has
+bfloat16 dot products: the one option that changes what a step computes, for steps of many rows
+only; docs/decisions.md, decision 18). ``cuda_graphs`` is applied later, by the runner. What was applied (:class:`AppliedOptions`) is what
 the engine reports and every run records (``summary.json``'s ``environment``).
 """
 from __future__ import annotations
@@ -37,7 +39,7 @@ from engine.native import NativeKernelUnavailable
 from engine.native_layers import NativeLayers
 from engine.quantized_gemm import QuantizedGemm
 from engine.skinny_gemm import SkinnyGemm
-from engine.weight_copies import ONEDNN_BUCKETS_PER_OCTAVE, onednn_linear_supported
+from engine.weight_copies import ONEDNN_BUCKETS_PER_OCTAVE, onednn_bf16_supported, onednn_linear_supported
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,7 @@ class PerformanceOptions:
     fused_ops: bool | str = "auto"  # fused C kernels for add + RMSNorm, RoPE, SiLU-and-multiply (CPU float32)
     keep_freed_memory: bool | str = "auto"  # glibc malloc keeps freed activation buffers (CPU runs)
     cuda_graphs: bool = False  # replay decode-only steps as CUDA graphs (CUDA only)
+    prefill_dtype: str = "float32"  # float32 | bfloat16 | auto: dtype of the oneDNN copies (steps of many rows)
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,7 @@ class AppliedOptions:
     """What :func:`apply_performance_options` applied on this device, dtype and checkpoint."""
 
     prepacked: bool  # every linear has its oneDNN-prepacked copy
+    prefill_dtype: str  # dtype of those copies ("float32" or "bfloat16"; "float32" when not prepacked)
     skinny_gemm_max_rows: int  # linears of at most this many rows take the skinny GEMM (0: none)
     skinny_gemm_tile_rows: int  # rows of the skinny GEMM's full register tile (0: no skinny GEMM)
     onednn_row_buckets: int  # prepacked linears pad rows to this many buckets per octave (0: no padding)
@@ -108,12 +112,13 @@ def apply_performance_options(
 ) -> AppliedOptions:
     """Apply ``options`` to ``model`` (loaded from ``checkpoint`` on ``device`` in ``dtype``), in
     the order they build on each other, and say what was applied."""
-    prepacked, skinny_gemm = _prepack(model, device, dtype, options.prepack)
+    prepacked, skinny_gemm, packed_dtype = _prepack(model, device, dtype, options.prepack, options.prefill_dtype)
     quantized = _quantized_weights(model, model_config, checkpoint, device, dtype, options.quantized_weights)
     fused = _fused_ops(model, device, dtype, options.fused_ops)
     kept_freed_memory = _keep_freed_memory(device, options.keep_freed_memory)
     return AppliedOptions(
         prepacked=prepacked,
+        prefill_dtype=str(packed_dtype).removeprefix("torch."),
         skinny_gemm_max_rows=skinny_gemm.max_rows if skinny_gemm is not None else 0,
         skinny_gemm_tile_rows=skinny_gemm.tile_rows if skinny_gemm is not None else 0,
         onednn_row_buckets=ONEDNN_BUCKETS_PER_OCTAVE if prepacked else 0,
@@ -124,18 +129,36 @@ def apply_performance_options(
     )
 
 
-def _prepack(model: CausalLM, device: torch.device, dtype: torch.dtype, prepack: bool | str) -> tuple[bool, SkinnyGemm | None]:
-    """Whether the linears got their oneDNN copies, and the skinny GEMM that got its panels (``None``: none)."""
+def _prepack(
+    model: CausalLM, device: torch.device, dtype: torch.dtype, prepack: bool | str, prefill_dtype: str,
+) -> tuple[bool, SkinnyGemm | None, torch.dtype]:
+    """Whether the linears got their oneDNN copies, the skinny GEMM that got its panels (``None``:
+    none), and the oneDNN copies' dtype (:func:`_packed_dtype`)."""
     supported = onednn_linear_supported(device, dtype)
-    if not option_enabled("prepack", prepack, supported, f"float32 on a CPU with oneDNN (got {dtype} on {device})"):
-        return False, None
+    enabled = option_enabled("prepack", prepack, supported, f"float32 on a CPU with oneDNN (got {dtype} on {device})")
+    packed_dtype = _packed_dtype(prefill_dtype, enabled)
+    if not enabled:
+        return False, None, packed_dtype
     try:
         skinny_gemm = SkinnyGemm()
     except NativeKernelUnavailable as error:  # oneDNN packing alone still pays
         warnings.warn(f"prepack: {error}; few-row matmuls use oneDNN instead of the skinny GEMM", stacklevel=3)  # the caller of apply_performance_options
         skinny_gemm = None
-    model.prepack(skinny_gemm=skinny_gemm)
-    return True, skinny_gemm
+    model.prepack(skinny_gemm=skinny_gemm, packed_dtype=packed_dtype)
+    return True, skinny_gemm, packed_dtype
+
+
+def _packed_dtype(prefill_dtype: str, prepacked: bool) -> torch.dtype:
+    """``prefill_dtype`` resolved: bfloat16 needs the oneDNN copies and a CPU with bfloat16 dot
+    products; ``auto`` takes bfloat16 where both hold, float32 elsewhere."""
+    if prefill_dtype not in ("float32", "bfloat16", "auto"):
+        raise ValueError(f"prefill_dtype must be float32, bfloat16 or auto, got {prefill_dtype!r}")
+    bf16 = prepacked and onednn_bf16_supported()
+    if prefill_dtype == "bfloat16" and not bf16:
+        raise ValueError("prefill_dtype=bfloat16 needs prepack (a float32 model on a CPU with oneDNN) and a CPU "
+                         f"with bfloat16 dot products, AVX512-BF16 or AMX (prepack applied: {prepacked}, "
+                         f"bfloat16 dot products: {onednn_bf16_supported()})")
+    return torch.bfloat16 if prefill_dtype != "float32" and bf16 else torch.float32
 
 
 def _quantized_weights(

@@ -7,7 +7,11 @@ own way, and which kernel is fastest depends on how many rows the input has:
   where a step is bound by the bytes of weight it reads;
 * a **skinny-GEMM panel** copy (:mod:`engine.skinny_gemm`) for decode-sized batches;
 * a **oneDNN-prepacked** copy (:func:`prepack_weight`) for prompts of many rows, padded to a few
-  row-count buckets (:func:`onednn_row_bucket`) so oneDNN builds few primitives;
+  row-count buckets (:func:`onednn_row_bucket`) so oneDNN builds few primitives. The copy is
+  float32 by default; ``prefill_dtype=bfloat16`` packs it in bfloat16 instead, where the CPU has
+  bfloat16 dot products (AVX512-BF16, AMX): the input is rounded to bfloat16 on its way in, the
+  products are summed in float32, and the output comes back float32 (reduced precision for the
+  steps with many rows only; decode-sized steps keep the float32 / quantized kernels);
 * the original ``nn.Parameter`` (``F.linear``) for everything else, and always for ``state_dict``.
 
 :class:`WeightCopies` holds the copies of one weight and picks one per call by the input's row
@@ -28,13 +32,19 @@ from engine.quantized_gemm import QuantizedGemm, QuantizedWeight
 from engine.skinny_gemm import SkinnyGemm
 
 def onednn_linear_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    """oneDNN prepacked linears: CPU float32 only (bf16 needs AVX512-BF16 / AVX-NE-CONVERT)."""
+    """oneDNN prepacked linears: a CPU float32 model only."""
     return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
 
 
-def prepack_weight(weight: torch.Tensor, batch_hint: int = 32) -> torch.Tensor:
-    """A oneDNN-blocked copy of ``weight [out, in]`` for :func:`packed_linear` (CPU float32)."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
+def onednn_bf16_supported() -> bool:
+    """Whether this CPU computes bfloat16 dot products natively (AVX512-BF16 or AMX), as oneDNN
+    reports it; without them oneDNN would emulate bfloat16, slower than float32."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def prepack_weight(weight: torch.Tensor, batch_hint: int = 32, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A oneDNN-blocked copy of ``weight [out, in]`` in ``dtype`` (float32 or bfloat16) for :func:`packed_linear`."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(dtype), batch_hint)
 
 
 #: row-count buckets per octave of :func:`onednn_row_bucket` (the simulator prices the padding)
@@ -53,14 +63,19 @@ def onednn_row_bucket(rows: int, per_octave: int = ONEDNN_BUCKETS_PER_OCTAVE) ->
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ W.T + b`` through oneDNN with a prepacked weight (what inductor's freezing emits), on
-    ``x``'s rows zero-padded to :func:`onednn_row_bucket` (the padded output rows are dropped)."""
-    rows = x.shape[0]
+    ``x``'s rows zero-padded to :func:`onednn_row_bucket` (the padded output rows are dropped).
+
+    A bfloat16 ``packed`` gets ``x`` and ``bias`` cast to bfloat16 (in the same copy that pads the
+    rows) and gives its output back in ``x``'s dtype."""
+    rows, out_dtype = x.shape[0], x.dtype
     bucket = onednn_row_bucket(rows)
-    if bucket != rows:
-        padded = x.new_zeros(bucket, x.shape[1])
+    if bucket != rows or x.dtype != packed.dtype:
+        padded = x.new_zeros(bucket, x.shape[1], dtype=packed.dtype)
         padded[:rows] = x
         x = padded
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")[:rows]
+    if bias is not None:
+        bias = bias.to(packed.dtype)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")[:rows].to(out_dtype)
 
 
 class WeightCopies:
