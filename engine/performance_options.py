@@ -17,8 +17,9 @@ skinny-GEMM copies (:mod:`engine.weight_copies`); ``quantized_weights`` adds the
 decoder layers in C (:mod:`engine.native_layers`); ``keep_freed_memory`` tunes ``malloc``.
 ``prefill_dtype`` picks the dtype of the oneDNN copies (float32, or bfloat16 where the CPU has
 bfloat16 dot products: the one option that changes what a step computes, for steps of many rows
-only; docs/decisions.md, decision 18). ``cuda_graphs`` is applied later, by the runner. What was applied (:class:`AppliedOptions`) is what
-the engine reports and every run records (``summary.json``'s ``environment``).
+only; docs/decisions.md, decision 18). ``cuda_graphs`` is applied later, by the runner. What was
+applied (:class:`AppliedOptions`) is what the engine reports and every run records
+(``summary.json``'s ``environment``).
 """
 from __future__ import annotations
 
@@ -153,11 +154,12 @@ def _packed_dtype(prefill_dtype: str, prepacked: bool) -> torch.dtype:
     products; ``auto`` takes bfloat16 where both hold, float32 elsewhere."""
     if prefill_dtype not in ("float32", "bfloat16", "auto"):
         raise ValueError(f"prefill_dtype must be float32, bfloat16 or auto, got {prefill_dtype!r}")
-    bf16 = prepacked and onednn_bf16_supported()
+    cpu_bf16 = onednn_bf16_supported()
+    bf16 = prepacked and cpu_bf16
     if prefill_dtype == "bfloat16" and not bf16:
         raise ValueError("prefill_dtype=bfloat16 needs prepack (a float32 model on a CPU with oneDNN) and a CPU "
                          f"with bfloat16 dot products, AVX512-BF16 or AMX (prepack applied: {prepacked}, "
-                         f"bfloat16 dot products: {onednn_bf16_supported()})")
+                         f"bfloat16 dot products: {cpu_bf16})")
     return torch.bfloat16 if prefill_dtype != "float32" and bf16 else torch.float32
 
 

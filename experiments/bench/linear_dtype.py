@@ -13,8 +13,6 @@ sample, one per sequence. Weights are random: timing only.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from collections.abc import Callable
 from functools import partial
 
@@ -22,19 +20,10 @@ import torch
 
 from engine.skinny_gemm import SkinnyGemm
 from engine.weight_copies import onednn_bf16_supported, packed_linear, prepack_weight
+from experiments.bench.roofline import seconds_per_call
 
 # [out, in] of one SmolLM2-135M decoder layer's projections, fused as the engine fuses them
 SHAPES = [(576 + 2 * 192, 576), (576, 576), (2 * 1536, 576), (576, 1536)]
-
-
-def time_ms(call, repeats: int) -> float:
-    call()  # warm-up: oneDNN builds its primitive for this row count
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        samples.append((time.perf_counter() - start) * 1000)
-    return statistics.median(samples)
 
 
 def main() -> None:
@@ -67,7 +56,9 @@ def main() -> None:
                 if name == "float32 skinny GEMM" and rows > skinny.max_rows:
                     times[name] = None  # the engine never sends it more rows
                     continue
-                times[name] = time_ms(lambda: [kernel(x) for kernel, x in zip(kernels, inputs)], args.repeats)
+                # one warm-up call: oneDNN builds its primitive for this row count
+                times[name] = 1000 * seconds_per_call(lambda: [kernel(x) for kernel, x in zip(kernels, inputs)],
+                                                      torch.device("cpu"), args.repeats, warmup=1)
             cells = ["-" if t is None else f"{t:.2f}" for t in times.values()]
             ratio = times["float32 oneDNN"] / times["bfloat16 oneDNN"]
             print(f"| {rows} | " + " | ".join(cells) + f" | {ratio:.2f}x |")

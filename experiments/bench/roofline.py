@@ -47,7 +47,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time(fn, device: torch.device, repeats: int, statistic=statistics.median, warmup: int = 2) -> float:
+def seconds_per_call(fn, device: torch.device, repeats: int, statistic=statistics.median, warmup: int = 2) -> float:
     """Seconds per call of ``fn``: the median for the engine's steps, the minimum (``statistic=min``)
     for the machine's ceilings, which are best cases by definition (like STREAM's best rate)."""
     for _ in range(warmup):
@@ -67,8 +67,8 @@ def measure_bandwidth(device: torch.device, megabytes: int = 256, repeats: int =
     numel = megabytes * 2**20 // 4
     src = torch.ones(numel, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
-    copy = 2 * numel * 4 / _time(lambda: dst.copy_(src), device, repeats, min)
-    read = numel * 4 / _time(lambda: src.sum(), device, repeats, min)
+    copy = 2 * numel * 4 / seconds_per_call(lambda: dst.copy_(src), device, repeats, min)
+    read = numel * 4 / seconds_per_call(lambda: src.sum(), device, repeats, min)
     return copy, read
 
 
@@ -78,7 +78,7 @@ def measure_matmul_peak(device: torch.device, dtype: torch.dtype, size: int | No
     a = torch.randn(size, size, device=device).to(dtype)
     b = torch.randn(size, size, device=device).to(dtype)
     flops = 2 * size**3
-    best = flops / _time(lambda: torch.mm(a, b), device, repeats, min)
+    best = flops / seconds_per_call(lambda: torch.mm(a, b), device, repeats, min)
     from engine.weight_copies import onednn_linear_supported, packed_linear, prepack_weight
     from engine.native import NativeKernelUnavailable
     from engine.skinny_gemm import SkinnyGemm
@@ -86,13 +86,13 @@ def measure_matmul_peak(device: torch.device, dtype: torch.dtype, size: int | No
     if onednn_linear_supported(device, dtype):
         weight = b.t().contiguous()
         packed = prepack_weight(weight, size)
-        best = max(best, flops / _time(lambda: packed_linear(a, packed, None), device, repeats, min))
+        best = max(best, flops / seconds_per_call(lambda: packed_linear(a, packed, None), device, repeats, min))
         try:
             gemm = SkinnyGemm()
         except NativeKernelUnavailable:
             return best
         panels = gemm.pack(weight)
-        best = max(best, flops / _time(lambda: gemm.linear(a, panels, None, size), device, repeats, min))
+        best = max(best, flops / seconds_per_call(lambda: gemm.linear(a, panels, None, size), device, repeats, min))
     return best
 
 
