@@ -44,15 +44,16 @@ _HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14  # Linux <sys/mman.h>
 
 
-def huge_page_empty(numel: int) -> torch.Tensor:
-    """An uninitialised float32 CPU tensor of ``numel`` elements starting on a 2 MiB boundary, its
+def huge_page_empty(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """An uninitialised CPU tensor of ``numel`` elements of ``dtype`` starting on a 2 MiB boundary, its
     memory advised as transparent huge pages before first touch (Linux); elsewhere, or if the
     kernel refuses the advice, the same tensor on ordinary pages. Costs up to 2 MiB of slack."""
-    raw = torch.empty(numel + _HUGE_PAGE // 4)
-    start = (-raw.data_ptr()) % _HUGE_PAGE // 4
+    size = torch.empty(0, dtype=dtype).element_size()
+    raw = torch.empty(numel + _HUGE_PAGE // size, dtype=dtype)
+    start = (-raw.data_ptr()) % _HUGE_PAGE // size
     tensor = raw[start : start + numel]  # a view: keeps the whole allocation alive
     if platform.system() == "Linux" and numel > 0:
         libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
         libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        libc.madvise(tensor.data_ptr(), numel * 4, _MADV_HUGEPAGE)  # advice only: a refusal changes nothing
+        libc.madvise(tensor.data_ptr(), numel * size, _MADV_HUGEPAGE)  # advice only: a refusal changes nothing
     return tensor

@@ -77,6 +77,13 @@ class LLM:
             where the CPU has them, else float32. Decode-sized steps stay float32 / quantized;
             under bfloat16 a prompt's tokens can depend on how its step was composed, so every
             token-identity claim of the project holds for float32 (docs/decisions.md).
+        decode_dtype: performance option, the dtype of the skinny GEMM's panels, which serve
+            decode-sized steps (up to 128 rows) above the quantized GEMM's rows (all of them
+            without GGUF blocks). ``"float32"`` (default) changes no result. ``"bfloat16"`` packs
+            them in bfloat16 pairs and multiplies with AVX512-BF16's dot products (half the weight
+            bytes, ~2x faster here; inputs rounded to bfloat16, float32 sums): needs ``prepack``
+            and a CPU and compiler target with AVX512-BF16, else a ``ValueError``. ``"auto"``:
+            bfloat16 where it has them. Same caveat on token identity as ``prefill_dtype``.
         quantized_weights: performance option. ``"auto"`` (default): for a checkpoint converted
             from a GGUF file (``model=smollm2-135m-instruct``, a ``.gguf`` path), every weight stored
             there as Q4_1 or Q8_0 also keeps its blocks, and inputs of at most
@@ -124,6 +131,7 @@ class LLM:
         keep_freed_memory: bool | str = "auto",
         quantized_weights: bool | str = "auto",
         prefill_dtype: str = "float32",
+        decode_dtype: str = "float32",
         scheduler_options: dict[str, Any] | None = None,
         attention_options: dict[str, Any] | None = None,
     ) -> None:
@@ -140,12 +148,13 @@ class LLM:
         )
         self.build(cfg, PerformanceOptions(prepack=prepack, quantized_weights=quantized_weights, fused_ops=fused_ops,
                                            keep_freed_memory=keep_freed_memory, cuda_graphs=cuda_graphs,
-                                           prefill_dtype=prefill_dtype))
+                                           prefill_dtype=prefill_dtype, decode_dtype=decode_dtype))
 
     @classmethod
     def from_config(
         cls, cfg: DictConfig, prepack: bool | str = "auto", cuda_graphs: bool = False, fused_ops: bool | str = "auto",
         keep_freed_memory: bool | str = "auto", quantized_weights: bool | str = "auto", prefill_dtype: str = "float32",
+        decode_dtype: str = "float32",
     ) -> "LLM":
         """Build from a composed config with ``model``, ``cache``, ``scheduler``, ``attention``,
         ``device``, ``dtype`` and ``seed`` (what ``run.py`` gets from Hydra).
@@ -155,7 +164,7 @@ class LLM:
         llm = cls.__new__(cls)
         llm.build(cfg, PerformanceOptions(prepack=prepack, quantized_weights=quantized_weights, fused_ops=fused_ops,
                                           keep_freed_memory=keep_freed_memory, cuda_graphs=cuda_graphs,
-                                          prefill_dtype=prefill_dtype))
+                                          prefill_dtype=prefill_dtype, decode_dtype=decode_dtype))
         return llm
 
     def build(self, cfg: DictConfig, options: PerformanceOptions) -> None:
@@ -205,6 +214,7 @@ class LLM:
     # What the performance options applied, read from ``self.performance`` (AppliedOptions).
     prepacked = AppliedOption()
     prefill_dtype = AppliedOption()
+    decode_dtype = AppliedOption()
     skinny_gemm_max_rows = AppliedOption()
     skinny_gemm_tile_rows = AppliedOption()
     onednn_row_buckets = AppliedOption()

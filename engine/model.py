@@ -299,7 +299,7 @@ class CausalLM(nn.Module):
         if skinny_gemm is not None:
             # All panels in one huge-page buffer, in that order: one stream of weights per decode step.
             sizes = [skinny_gemm.packed_numel(*weight.shape) for _, weight in copies]
-            for (holder, weight), out in zip(copies, huge_page_empty(sum(sizes)).split(sizes)):
+            for (holder, weight), out in zip(copies, huge_page_empty(sum(sizes), skinny_gemm.dtype).split(sizes)):
                 holder.skinny_gemm, holder.skinny = skinny_gemm, skinny_gemm.pack(weight, out)
                 holder.skinny_max_rows = skinny_gemm.max_rows
 

@@ -16,8 +16,9 @@ skinny-GEMM copies (:mod:`engine.weight_copies`); ``quantized_weights`` adds the
 ``fused_ops`` swaps in the fused C kernels and, where every linear has a C kernel, runs whole
 decoder layers in C (:mod:`engine.native_layers`); ``keep_freed_memory`` tunes ``malloc``.
 ``prefill_dtype`` picks the dtype of the oneDNN copies (float32, or bfloat16 where the CPU has
-bfloat16 dot products: the one option that changes what a step computes, for steps of many rows
-only; docs/decisions.md, decision 18). ``cuda_graphs`` is applied later, by the runner. What was
+bfloat16 dot products; steps of many rows, docs/decisions.md, decision 18) and ``decode_dtype``
+the dtype of the skinny GEMM's panels (decode-sized steps above the quantized GEMM's rows; decision
+19): the two options that change what a step computes. ``cuda_graphs`` is applied later, by the runner. What was
 applied (:class:`AppliedOptions`) is what the engine reports and every run records
 (``summary.json``'s ``environment``).
 """
@@ -40,6 +41,7 @@ from engine.native import NativeKernelUnavailable
 from engine.native_layers import NativeLayers
 from engine.quantized_gemm import QuantizedGemm
 from engine.skinny_gemm import SkinnyGemm
+from engine.skinny_gemm import bf16_supported as skinny_bf16_supported
 from engine.weight_copies import ONEDNN_BUCKETS_PER_OCTAVE, onednn_bf16_supported, onednn_linear_supported
 
 
@@ -53,6 +55,7 @@ class PerformanceOptions:
     keep_freed_memory: bool | str = "auto"  # glibc malloc keeps freed activation buffers (CPU runs)
     cuda_graphs: bool = False  # replay decode-only steps as CUDA graphs (CUDA only)
     prefill_dtype: str = "float32"  # float32 | bfloat16 | auto: dtype of the oneDNN copies (steps of many rows)
+    decode_dtype: str = "float32"  # float32 | bfloat16 | auto: dtype of the skinny GEMM's panels (decode-sized steps)
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,7 @@ class AppliedOptions:
 
     prepacked: bool  # every linear has its oneDNN-prepacked copy
     prefill_dtype: str  # dtype of those copies ("float32" or "bfloat16"; "float32" when not prepacked)
+    decode_dtype: str  # dtype of the skinny GEMM's panels ("float32" or "bfloat16"; "float32" without them)
     skinny_gemm_max_rows: int  # linears of at most this many rows take the skinny GEMM (0: none)
     skinny_gemm_tile_rows: int  # rows of the skinny GEMM's full register tile (0: no skinny GEMM)
     onednn_row_buckets: int  # prepacked linears pad rows to this many buckets per octave (0: no padding)
@@ -113,13 +117,15 @@ def apply_performance_options(
 ) -> AppliedOptions:
     """Apply ``options`` to ``model`` (loaded from ``checkpoint`` on ``device`` in ``dtype``), in
     the order they build on each other, and say what was applied."""
-    prepacked, skinny_gemm, packed_dtype = _prepack(model, device, dtype, options.prepack, options.prefill_dtype)
-    quantized = _quantized_weights(model, model_config, checkpoint, device, dtype, options.quantized_weights)
+    prepacked, skinny_gemm, packed_dtype = _prepack(model, device, dtype, options)
+    panel_dtype = skinny_gemm.dtype if skinny_gemm is not None else torch.float32
+    quantized = _quantized_weights(model, model_config, checkpoint, device, dtype, options.quantized_weights, panel_dtype)
     fused = _fused_ops(model, device, dtype, options.fused_ops)
     kept_freed_memory = _keep_freed_memory(device, options.keep_freed_memory)
     return AppliedOptions(
         prepacked=prepacked,
         prefill_dtype=str(packed_dtype).removeprefix("torch."),
+        decode_dtype=str(panel_dtype).removeprefix("torch."),
         skinny_gemm_max_rows=skinny_gemm.max_rows if skinny_gemm is not None else 0,
         skinny_gemm_tile_rows=skinny_gemm.tile_rows if skinny_gemm is not None else 0,
         onednn_row_buckets=ONEDNN_BUCKETS_PER_OCTAVE if prepacked else 0,
@@ -131,17 +137,21 @@ def apply_performance_options(
 
 
 def _prepack(
-    model: CausalLM, device: torch.device, dtype: torch.dtype, prepack: bool | str, prefill_dtype: str,
+    model: CausalLM, device: torch.device, dtype: torch.dtype, options: PerformanceOptions,
 ) -> tuple[bool, SkinnyGemm | None, torch.dtype]:
     """Whether the linears got their oneDNN copies, the skinny GEMM that got its panels (``None``:
-    none), and the oneDNN copies' dtype (:func:`_packed_dtype`)."""
+    none; its ``dtype`` is the panels'), and the oneDNN copies' dtype."""
     supported = onednn_linear_supported(device, dtype)
-    enabled = option_enabled("prepack", prepack, supported, f"float32 on a CPU with oneDNN (got {dtype} on {device})")
-    packed_dtype = _packed_dtype(prefill_dtype, enabled)
+    enabled = option_enabled("prepack", options.prepack, supported, f"float32 on a CPU with oneDNN (got {dtype} on {device})")
+    packed_dtype = _reduced_dtype("prefill_dtype", options.prefill_dtype, enabled, onednn_bf16_supported(),
+                                  "bfloat16 dot products in oneDNN, AVX512-BF16 or AMX")
+    panel_requirement = "AVX512-BF16 in the C compiler's target (-march=native)"
     if not enabled:
+        _reduced_dtype("decode_dtype", options.decode_dtype, False, False, panel_requirement)
         return False, None, packed_dtype
     try:
-        skinny_gemm = SkinnyGemm()
+        panel_dtype = _reduced_dtype("decode_dtype", options.decode_dtype, True, skinny_bf16_supported(), panel_requirement)
+        skinny_gemm = SkinnyGemm(panel_dtype)
     except NativeKernelUnavailable as error:  # oneDNN packing alone still pays
         warnings.warn(f"prepack: {error}; few-row matmuls use oneDNN instead of the skinny GEMM", stacklevel=3)  # the caller of apply_performance_options
         skinny_gemm = None
@@ -149,32 +159,32 @@ def _prepack(
     return True, skinny_gemm, packed_dtype
 
 
-def _packed_dtype(prefill_dtype: str, prepacked: bool) -> torch.dtype:
-    """``prefill_dtype`` resolved: bfloat16 needs the oneDNN copies and a CPU with bfloat16 dot
-    products; ``auto`` takes bfloat16 where both hold, float32 elsewhere."""
-    if prefill_dtype not in ("float32", "bfloat16", "auto"):
-        raise ValueError(f"prefill_dtype must be float32, bfloat16 or auto, got {prefill_dtype!r}")
-    cpu_bf16 = onednn_bf16_supported()
+def _reduced_dtype(name: str, value: str, prepacked: bool, cpu_bf16: bool, requirement: str) -> torch.dtype:
+    """A ``float32 | bfloat16 | auto`` dtype option (``prefill_dtype``, ``decode_dtype``) resolved:
+    bfloat16 needs the prepacked copies and ``cpu_bf16`` (the kernel's bfloat16 dot products,
+    ``requirement``); ``auto`` takes bfloat16 where both hold, float32 elsewhere."""
+    if value not in ("float32", "bfloat16", "auto"):
+        raise ValueError(f"{name} must be float32, bfloat16 or auto, got {value!r}")
     bf16 = prepacked and cpu_bf16
-    if prefill_dtype == "bfloat16" and not bf16:
-        raise ValueError("prefill_dtype=bfloat16 needs prepack (a float32 model on a CPU with oneDNN) and a CPU "
-                         f"with bfloat16 dot products, AVX512-BF16 or AMX (prepack applied: {prepacked}, "
-                         f"bfloat16 dot products: {cpu_bf16})")
-    return torch.bfloat16 if prefill_dtype != "float32" and bf16 else torch.float32
+    if value == "bfloat16" and not bf16:
+        raise ValueError(f"{name}=bfloat16 needs prepack (a float32 model on a CPU with oneDNN) and {requirement} "
+                         f"(prepack applied: {prepacked}, bfloat16 dot products: {cpu_bf16})")
+    return torch.bfloat16 if value != "float32" and bf16 else torch.float32
 
 
 def _quantized_weights(
     model: CausalLM, model_config: ModelConfig, checkpoint: Path, device: torch.device, dtype: torch.dtype,
-    quantized: bool | str,
+    quantized: bool | str, panel_dtype: torch.dtype,
 ) -> dict[str, Any] | None:
-    """``{"types": {GGUF type: weights using it}, "max_rows": rows}`` where applied, else ``None``."""
+    """``{"types": {GGUF type: weights using it}, "max_rows": rows}`` where applied, else ``None``;
+    ``panel_dtype``: the skinny GEMM's, which sets the rows up to which the quantized GEMM is faster."""
     cpu_float32 = device.type == "cpu" and dtype == torch.float32
     blocks = load_quantized_blocks(checkpoint, model_config) if cpu_float32 and quantized is not False else {}
     requirement = (f"float32 on a CPU and a checkpoint converted from a GGUF file with Q4_1 / Q8_0 weights "
                    f"(got {dtype} on {device}, checkpoint {checkpoint})")
     if not option_enabled("quantized_weights", quantized, bool(blocks), requirement):
         return None
-    gemm = build_kernel("quantized_weights", quantized, QuantizedGemm, "decode steps read the float32 weights")
+    gemm = build_kernel("quantized_weights", quantized, lambda: QuantizedGemm(panel_dtype), "decode steps read the float32 weights")
     if gemm is None:
         return None
     return {"types": model.use_quantized_weights(gemm, blocks), "max_rows": gemm.max_rows}

@@ -9,7 +9,8 @@ with float32 activations. The weights it computes with are bitwise those of the 
 checkpoint (``d * q`` is exact in float32, see the C file), so only the summation order differs
 from the float32 path, as between the skinny GEMM and oneDNN.
 :class:`~engine.weight_copies.Linear` uses it up to :attr:`QuantizedGemm.max_rows` rows (the measured
-crossover with the float32 skinny GEMM) and the float32 weights above. CPU only; compiled on
+crossover with the skinny GEMM: the C build's limit beside float32 panels, fewer beside bfloat16
+ones, which stream half the bytes) and the skinny GEMM's weights above. CPU only; compiled on
 first use like the other C kernels (``engine/native.py``); AVX-512, or AVX2 with F16C and FMA.
 """
 from __future__ import annotations
@@ -25,6 +26,10 @@ _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 GGML_TYPES = {"Q4_1": 3, "Q8_0": 8}  # the types the kernel reads, with their ggml_type ids
 BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}  # bytes per block of 32 weights
 BLOCK_WEIGHTS = 32
+# Beside the skinny GEMM's bfloat16 panels the quantized GEMM is faster only up to this many rows
+# (all 121 linears of SmolLM2-135M, 2 threads, 2-core AMD EPYC, 2026-12-06: 7.4 vs 8.4 ms at 4 rows,
+# 11.5 vs 10.3 ms at 5; docs/decisions.md, decision 19).
+MAX_ROWS_BESIDE_BF16_PANELS = 4
 
 
 @dataclass
@@ -39,10 +44,14 @@ class QuantizedWeight:
 
 class QuantizedGemm:
     """``pack`` a weight's GGUF blocks once, then ``linear(x, weight, bias)`` = ``x @ W.T + b``;
-    ``max_rows``: the most rows for which this build beats the float32 skinny GEMM."""
+    ``max_rows``: the most rows for which this build beats the skinny GEMM whose panels are
+    ``panel_dtype``."""
 
-    def __init__(self) -> None:
-        self.max_rows: int = native.function("quant_gemm", "quant_gemm_max_rows", [], _I64)()
+    def __init__(self, panel_dtype: torch.dtype = torch.float32) -> None:
+        if panel_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"the skinny GEMM's panels are float32 or bfloat16, not {panel_dtype}")
+        build_max_rows = native.function("quant_gemm", "quant_gemm_max_rows", [], _I64)()
+        self.max_rows: int = build_max_rows if panel_dtype == torch.float32 else min(build_max_rows, MAX_ROWS_BESIDE_BF16_PANELS)
         self._bytes = native.function("quant_gemm", "quant_packed_bytes", [_I64, _I64, _I64], _I64)
         self._pack = native.function("quant_gemm", "quant_pack", [_P, _I64, _I64, _I64, _P])
         self._gemm = native.function("quant_gemm", "quant_gemm", [_P, _I64, _I64, _I64, _P, _I64, _P, _I64, _P])

@@ -8,7 +8,13 @@ than oneDNN's prepacked linear up to 24 rows; with AVX-512, 1.1-1.5x faster up t
 the 30 layers' shapes with weights streamed from memory (docs/performance.md, sections 3.2 and 7).
 So :class:`~engine.weight_copies.Linear` uses it up to :attr:`SkinnyGemm.max_rows` rows (the crossover
 measured for the build's tile: 128 with AVX-512, 32 with AVX2) and oneDNN above.
-Float32 CPU only; compiled on first use like the other C kernels (``engine/native.py``).
+
+Two builds of the same kernel: ``SkinnyGemm()`` keeps the panels in float32 (``engine/csrc/gemm.c``),
+``SkinnyGemm(torch.bfloat16)`` in bfloat16 pairs and multiplies them with AVX512-BF16's dot-product
+instruction (``engine/csrc/gemm_bf16.c``): half the weight bytes per step, twice the multiply-adds
+per instruction, with x and W rounded to bfloat16 (docs/decisions.md, decision 19). Inputs and
+outputs are float32 CPU tensors in both; compiled on first use like the other C kernels
+(``engine/native.py``).
 """
 from __future__ import annotations
 
@@ -21,33 +27,54 @@ from engine import native
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 
+def bf16_supported() -> bool:
+    """Whether the bfloat16 build exists here: the compiler targets AVX512-BF16 (``-march=native`` on
+    a CPU with it). ``False`` where the C kernels cannot be built at all."""
+    try:
+        return bool(native.function("gemm_bf16", "gemm_bf16_supported", [], _I64)())
+    except native.NativeKernelUnavailable:
+        return False
+
+
 class SkinnyGemm:
     """``pack`` a weight once, then ``linear(x, packed, bias, out_features)`` = ``x @ W.T + b``;
+    ``dtype``: the panels' dtype (float32, or bfloat16 where :func:`bf16_supported`);
     ``max_rows``: the most rows for which this build beats oneDNN (larger inputs should not use it);
     ``tile_rows``: rows of its full register tile (8 with AVX-512, 4 with AVX2)."""
 
-    def __init__(self) -> None:
-        self.max_rows: int = native.function("gemm", "gemm_max_rows", [], _I64)()
+    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
+        if dtype == torch.bfloat16:
+            if not bf16_supported():
+                raise ValueError("the bfloat16 skinny GEMM needs a CPU (and compiler target) with AVX512-BF16")
+            library, suffix, max_rows = "gemm_bf16", "bf16", "gemm_bf16_max_rows"
+        elif dtype == torch.float32:
+            library, suffix, max_rows = "gemm", "f32", "gemm_max_rows"
+        else:
+            raise ValueError(f"the skinny GEMM's panels are float32 or bfloat16, not {dtype}")
+        self.dtype = dtype
+        self.max_rows: int = native.function(library, max_rows, [], _I64)()
         self.tile_rows: int = native.function("gemm", "gemm_tile_rows", [], _I64)()
-        self._numel = native.function("gemm", "packed_weight_numel", [_I64, _I64], _I64)
-        self._pack = native.function("gemm", "pack_weight_f32", [_P, _I64, _I64, _P])
-        self._gemm = native.function("gemm", "gemm_packed_f32", [_P, _I64, _I64, _I64, _P, _P, _I64, _P])
+        numel_name = "packed_weight_numel" if dtype == torch.float32 else "packed_weight_numel_bf16"
+        self._numel = native.function(library, numel_name, [_I64, _I64], _I64)
+        self._pack = native.function(library, f"pack_weight_{suffix}", [_P, _I64, _I64, _P])
+        self._gemm = native.function(library, f"gemm_packed_{suffix}", [_P, _I64, _I64, _I64, _P, _P, _I64, _P])
         self.address: int = ctypes.cast(self._gemm, ctypes.c_void_p).value  # for C callers (engine.native_layers)
 
     def packed_numel(self, out_features: int, in_features: int) -> int:
-        """Floats of :meth:`pack`'s result for a weight ``[out_features, in_features]``."""
+        """Elements (of :attr:`dtype`) of :meth:`pack`'s result for a weight ``[out_features, in_features]``."""
         return self._numel(out_features, in_features)
 
     def pack(self, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """``weight [out, in]`` (float32, CPU) as panels of 48 (AVX-512) or 24 columns, k-major
-        (zero-padded), into ``out`` (contiguous, :meth:`packed_numel` floats) or a new tensor."""
+        (zero-padded), in :attr:`dtype`, into ``out`` (contiguous, :meth:`packed_numel` elements of
+        :attr:`dtype`) or a new tensor."""
         native.require_cpu_float32(weight, "the skinny GEMM", "the weight")
         weight = weight.detach().contiguous()
         out_features, in_features = weight.shape
         numel = self._numel(out_features, in_features)
-        if out is not None and (out.numel() != numel or not out.is_contiguous() or out.dtype != torch.float32):
-            raise ValueError(f"pack: out must be a contiguous float32 tensor of {numel} elements")
-        packed = torch.empty(numel) if out is None else out
+        if out is not None and (out.numel() != numel or not out.is_contiguous() or out.dtype != self.dtype):
+            raise ValueError(f"pack: out must be a contiguous {self.dtype} tensor of {numel} elements")
+        packed = torch.empty(numel, dtype=self.dtype) if out is None else out
         self._pack(weight.data_ptr(), out_features, in_features, packed.data_ptr())
         return packed
 

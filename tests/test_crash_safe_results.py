@@ -80,7 +80,7 @@ def test_run_killed_while_writing_leaves_no_truncated_file_and_the_report_lists_
     environment = summary["environment"]  # what was applied, and where
     assert environment["device"] == "cpu" and environment["dtype"] == "float32"
     assert {"prepacked", "fused_ops", "native_layers", "kept_freed_memory", "torch", "transformers", "cpu_model", "cpu_count",
-            "torch_threads", "skinny_gemm_max_rows", "skinny_gemm_tile_rows",
+            "torch_threads", "skinny_gemm_max_rows", "skinny_gemm_tile_rows", "prefill_dtype", "decode_dtype",
             "onednn_row_buckets", "gpu"} <= set(environment)
     assert environment["gpu"]["index"] is None and "torch_cuda" in environment["gpu"]  # a CPU run: no device
     assert isinstance(environment["prepacked"], bool) and environment["git"]["commit"]
