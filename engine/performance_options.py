@@ -42,7 +42,12 @@ from engine.native_layers import NativeLayers
 from engine.quantized_gemm import QuantizedGemm
 from engine.skinny_gemm import SkinnyGemm
 from engine.skinny_gemm import bf16_supported as skinny_bf16_supported
-from engine.weight_copies import ONEDNN_BUCKETS_PER_OCTAVE, onednn_bf16_supported, onednn_linear_supported
+from engine.weight_copies import (
+    ONEDNN_BUCKETS_PER_OCTAVE,
+    onednn_amx_supported,
+    onednn_bf16_supported,
+    onednn_linear_supported,
+)
 
 
 @dataclass(frozen=True)
@@ -56,6 +61,13 @@ class PerformanceOptions:
     cuda_graphs: bool = False  # replay decode-only steps as CUDA graphs (CUDA only)
     prefill_dtype: str = "float32"  # float32 | bfloat16 | auto: dtype of the oneDNN copies (steps of many rows)
     decode_dtype: str = "float32"  # float32 | bfloat16 | auto: dtype of the skinny GEMM's panels (decode-sized steps)
+
+
+#: With bfloat16 oneDNN copies on a CPU with AMX, the skinny GEMM serves at most this many rows:
+#: oneDNN's AMX matmuls are faster above it (one SmolLM2 layer's linears, Xeon with AMX, 2 cores,
+#: 2026-12-06: 0.48 ms at 12 rows against 0.75 / 0.84 ms for the bfloat16 / float32 panels, 0.59
+#: against 1.28 / 1.11 ms at 32; the panels are faster up to 8; docs/decisions.md, decision 19).
+SKINNY_ROWS_BESIDE_AMX = 8
 
 
 @dataclass(frozen=True)
@@ -149,9 +161,13 @@ def _prepack(
     if not enabled:
         _reduced_dtype("decode_dtype", options.decode_dtype, False, False, panel_requirement)
         return False, None, packed_dtype
+    # With AMX, bfloat16 oneDNN copies take the decode batches above a few rows, and the few-row
+    # steps are the quantized GEMM's beside float32 panels: there `auto` keeps the panels float32.
+    amx = packed_dtype == torch.bfloat16 and onednn_amx_supported()
     try:
-        panel_dtype = _reduced_dtype("decode_dtype", options.decode_dtype, True, skinny_bf16_supported(), panel_requirement)
-        skinny_gemm = SkinnyGemm(panel_dtype)
+        panel_dtype = _reduced_dtype("decode_dtype", options.decode_dtype, True, skinny_bf16_supported(), panel_requirement,
+                                     auto_takes_bf16=not amx)
+        skinny_gemm = SkinnyGemm(panel_dtype, row_limit=SKINNY_ROWS_BESIDE_AMX if amx else None)
     except NativeKernelUnavailable as error:  # oneDNN packing alone still pays
         warnings.warn(f"prepack: {error}; few-row matmuls use oneDNN instead of the skinny GEMM", stacklevel=3)  # the caller of apply_performance_options
         skinny_gemm = None
@@ -159,17 +175,20 @@ def _prepack(
     return True, skinny_gemm, packed_dtype
 
 
-def _reduced_dtype(name: str, value: str, prepacked: bool, cpu_bf16: bool, requirement: str) -> torch.dtype:
+def _reduced_dtype(name: str, value: str, prepacked: bool, cpu_bf16: bool, requirement: str,
+                   auto_takes_bf16: bool = True) -> torch.dtype:
     """A ``float32 | bfloat16 | auto`` dtype option (``prefill_dtype``, ``decode_dtype``) resolved:
     bfloat16 needs the prepacked copies and ``cpu_bf16`` (the kernel's bfloat16 dot products,
-    ``requirement``); ``auto`` takes bfloat16 where both hold, float32 elsewhere."""
+    ``requirement``); ``auto`` takes bfloat16 where both hold and ``auto_takes_bf16`` (it is the
+    faster choice there), float32 elsewhere."""
     if value not in ("float32", "bfloat16", "auto"):
         raise ValueError(f"{name} must be float32, bfloat16 or auto, got {value!r}")
     bf16 = prepacked and cpu_bf16
     if value == "bfloat16" and not bf16:
         raise ValueError(f"{name}=bfloat16 needs prepack (a float32 model on a CPU with oneDNN) and {requirement} "
                          f"(prepack applied: {prepacked}, bfloat16 dot products: {cpu_bf16})")
-    return torch.bfloat16 if value != "float32" and bf16 else torch.float32
+    wanted = value == "bfloat16" or (value == "auto" and auto_takes_bf16)
+    return torch.bfloat16 if wanted and bf16 else torch.float32
 
 
 def _quantized_weights(

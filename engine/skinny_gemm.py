@@ -39,10 +39,11 @@ def bf16_supported() -> bool:
 class SkinnyGemm:
     """``pack`` a weight once, then ``linear(x, packed, bias, out_features)`` = ``x @ W.T + b``;
     ``dtype``: the panels' dtype (float32, or bfloat16 where :func:`bf16_supported`);
-    ``max_rows``: the most rows for which this build beats oneDNN (larger inputs should not use it);
+    ``max_rows``: the most rows for which this build beats oneDNN (larger inputs should not use it),
+    lowered to ``row_limit`` where one is given (a faster oneDNN copy above it, e.g. bfloat16 on AMX);
     ``tile_rows``: rows of its full register tile (8 with AVX-512, 4 with AVX2)."""
 
-    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, dtype: torch.dtype = torch.float32, row_limit: int | None = None) -> None:
         if dtype == torch.bfloat16:
             if not bf16_supported():
                 raise ValueError("the bfloat16 skinny GEMM needs a CPU (and compiler target) with AVX512-BF16")
@@ -52,7 +53,10 @@ class SkinnyGemm:
         else:
             raise ValueError(f"the skinny GEMM's panels are float32 or bfloat16, not {dtype}")
         self.dtype = dtype
-        self.max_rows: int = native.function(library, max_rows, [], _I64)()
+        if row_limit is not None and row_limit < 1:
+            raise ValueError(f"row_limit must be >= 1, got {row_limit}")
+        build_max_rows = native.function(library, max_rows, [], _I64)()
+        self.max_rows: int = build_max_rows if row_limit is None else min(build_max_rows, row_limit)
         self.tile_rows: int = native.function("gemm", "gemm_tile_rows", [], _I64)()
         numel_name = "packed_weight_numel" if dtype == torch.float32 else "packed_weight_numel_bf16"
         self._numel = native.function(library, numel_name, [_I64, _I64], _I64)

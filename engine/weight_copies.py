@@ -42,6 +42,14 @@ def onednn_bf16_supported() -> bool:
     return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
+def onednn_amx_supported() -> bool:
+    """Whether oneDNN can use AMX tiles here (``amx_bf16``, and the kernel lets this process use
+    them): its bfloat16 matmuls then beat the skinny GEMM from a few rows up (docs/decisions.md,
+    decision 19). torch asks the kernel once (``_init_amx``); builds without that call answer no."""
+    init_amx = getattr(torch._C._cpu, "_init_amx", None)
+    return bool(init_amx is not None and torch.backends.mkldnn.is_available() and init_amx())
+
+
 def prepack_weight(weight: torch.Tensor, batch_hint: int = 32, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """A oneDNN-blocked copy of ``weight [out, in]`` in ``dtype`` (float32 or bfloat16) for :func:`packed_linear`."""
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(dtype), batch_hint)

@@ -156,3 +156,24 @@ def test_decode_dtype_values_and_errors(tiny_llama_ckpt, monkeypatch):
     with pytest.raises(ValueError, match="AVX512-BF16 in the C compiler's target"):
         build(tiny_llama_ckpt, decode_dtype="bfloat16")
     assert build(tiny_llama_ckpt, decode_dtype="auto").decode_dtype == "float32"
+
+
+@needs_bf16_panels
+def test_beside_bf16_copies_on_amx_auto_keeps_float32_panels_for_few_rows(tiny_llama_ckpt, monkeypatch):
+    """With AMX, oneDNN's bfloat16 copies take every step above SKINNY_ROWS_BESIDE_AMX rows and
+    ``decode_dtype=auto`` keeps the panels float32; without AMX the panels are bfloat16 and serve
+    their build's rows. An explicit ``decode_dtype=bfloat16`` is honoured on both."""
+    if not performance_options.onednn_bf16_supported():
+        pytest.skip("needs bfloat16 dot products in oneDNN")
+    for amx in (True, False):
+        monkeypatch.setattr(performance_options, "onednn_amx_supported", lambda amx=amx: amx)
+        llm = build(tiny_llama_ckpt, prefill_dtype="bfloat16", decode_dtype="auto")
+        assert llm.prefill_dtype == "bfloat16"
+        assert llm.decode_dtype == ("float32" if amx else "bfloat16")
+        assert llm.skinny_gemm_max_rows == (performance_options.SKINNY_ROWS_BESIDE_AMX if amx else SkinnyGemm().max_rows)
+        assert llm.model.layers[0].mlp.down_proj.skinny_max_rows == llm.skinny_gemm_max_rows
+        assert build(tiny_llama_ckpt, prefill_dtype="bfloat16", decode_dtype="bfloat16").decode_dtype == "bfloat16"
+    # float32 copies: nothing faster above the panels' rows, whatever the CPU
+    assert build(tiny_llama_ckpt, decode_dtype="auto").skinny_gemm_max_rows == SkinnyGemm().max_rows
+    with pytest.raises(ValueError, match="row_limit must be >= 1"):
+        SkinnyGemm(row_limit=0)

@@ -78,9 +78,11 @@ def test_multirun_report_naive_vs_continuous_and_failed_job(tmp_path: Path) -> N
 
 
 def test_greedy_tokens_identical_servelab_and_hf_static() -> None:
+    """Token identity holds in float32: servelab as engine=servelab_f32 (the default computes in
+    bfloat16 where the CPU has it)."""
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfgs = {engine: compose("config", overrides=[*TINY_BURST, f"engine={engine}", "device=cpu"])
-                for engine in ("servelab", "hf_static")}
+        cfgs = {name: compose("config", overrides=[*TINY_BURST, f"engine={engine}", "device=cpu"])
+                for name, engine in (("servelab", "servelab_f32"), ("hf_static", "hf_static"))}
     tokens, tables = {}, {}
     for name, cfg in cfgs.items():
         engine = instantiate(cfg.engine)(cfg)
@@ -116,7 +118,8 @@ def test_hf_continuous_matches_too() -> None:
 
 def test_chat_workload_servelab_and_hf_static_same_answers(tmp_path: Path, byte_text_ckpt: Path) -> None:
     """workload=chat through the chat template on a model with a tokenizer: requests.csv holds
-    prompt and output text, summary.md shows sample answers, the HF peer gives the same text."""
+    prompt and output text, summary.md shows sample answers, the HF peer gives the same text
+    (servelab in float32, engine=servelab_f32: the identity holds for that dtype)."""
     from experiments.harness.chat_prompts import prompt_bank
     from experiments.harness.job import execute
 
@@ -124,9 +127,9 @@ def test_chat_workload_servelab_and_hf_static_same_answers(tmp_path: Path, byte_
                  "workload.num_requests=3", "workload.max_tokens=12", "workload.concurrency=2",
                  "driver.progress=false", "device=cpu", "plots=false"]
     tables = {}
-    for engine in ("servelab", "hf_static"):
+    for engine, config in (("servelab", "servelab_f32"), ("hf_static", "hf_static")):
         with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-            cfg = compose("config", overrides=[*overrides, f"engine={engine}"])
+            cfg = compose("config", overrides=[*overrides, f"engine={config}"])
         outcome = execute(cfg, tmp_path / engine, {"engine": engine, "workload": "chat"}, overrides)
         assert not outcome.failed, outcome.summary.get("traceback")
         tables[engine] = pd.read_csv(tmp_path / engine / "requests.csv", keep_default_na=False)

@@ -1,12 +1,14 @@
 """How far bfloat16 compute moves the real model's logits and greedy tokens from float32.
 
-Builds the default model (SmolLM2-135M-Instruct, real weights) three times: the float32 engine
-(the reference), ``prefill_dtype=bfloat16`` (the oneDNN copies that serve steps of more rows than
-the skinny GEMM in bfloat16, everything else float32: what the option changes) and
+Builds the default model (SmolLM2-135M-Instruct, real weights) as the float32 engine (the
+reference) and as each variant: ``prefill_dtype=bfloat16`` (the oneDNN copies that serve steps of
+more rows than the skinny GEMM in bfloat16), ``decode_dtype=bfloat16`` (the skinny GEMM's panels,
+which serve decode steps above the quantized GEMM's rows and the LM head's rows), both, and
 ``dtype=bfloat16`` (every weight and activation in bfloat16: an upper bound). On a set of real
-questions, each through the chat template (so one step of all of them has a few hundred rows and
-takes the oneDNN path), it prints per prompt the first step's max and mean absolute logit
-difference from float32, whether the next token agrees, and how many of ``--tokens`` greedy tokens
+questions, each through the chat template, it prints per prompt the max and mean absolute logit
+difference from float32 of the first step (all prompts in one step of a few hundred rows: the
+oneDNN path) and of the next step (one decode row per prompt, fed float32's first token: the
+skinny GEMM's path), whether the next token agrees, and how many of ``--tokens`` greedy tokens
 agree before the first difference.
 
     python -m experiments.bench.bf16_accuracy --tokens 32
@@ -32,17 +34,31 @@ PROMPTS = [
 ]
 
 
-def first_step_logits(llm: LLM, prompts: list[list[int]]) -> torch.Tensor:
-    """Each prompt's last-position logits from one prefill step of all ``prompts``, as float32."""
-    for prompt in prompts:
-        llm.add_request(prompt, SamplingParams(max_tokens=1, ignore_eos=True))
-    plan = llm.scheduler.schedule()
-    assert len(plan.scheduled) == len(prompts), "every prompt in the first step: raise the token budget"
-    return llm.runner.execute(llm.runner.prepare(plan.scheduled)).float()
+def two_step_logits(llm: LLM, prompts: list[list[int]], first_tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each prompt's logits, as float32, from one prefill step of all ``prompts`` (last positions)
+    and from the decode step after it, whose input is ``first_tokens`` (one per prompt, whatever
+    this engine's own first step would pick, so every engine decodes the same inputs)."""
+    ids = [llm.add_request(prompt, SamplingParams(max_tokens=2, ignore_eos=True)) for prompt in prompts]
+    forced = dict(zip(ids, first_tokens, strict=True))
+    captured: list[torch.Tensor] = []
+    execute, sampler = llm.runner.execute, llm.sampler
+    llm.runner.execute = lambda inputs: captured.append(execute(inputs).float()) or captured[-1]
+    llm.sampler = lambda logits, seqs: [forced[seq.seq_id] if seq.num_output_tokens == 0 else sampler(logits, [seq])[0]
+                                        for seq in seqs]
+    try:
+        while llm.has_unfinished():
+            llm.step()
+    finally:
+        llm.runner.execute, llm.sampler = execute, sampler
+    assert len(captured) == 2 and all(len(logits) == len(prompts) for logits in captured), \
+        "every prompt in each step: raise the token budget"
+    return captured[0], captured[1]
 
 
 VARIANTS = {  # name: LLM keyword arguments beside the reference's
     "prefill_dtype=bfloat16": {"prefill_dtype": "bfloat16"},
+    "decode_dtype=bfloat16": {"decode_dtype": "bfloat16"},
+    "prefill_dtype=decode_dtype=bfloat16": {"prefill_dtype": "bfloat16", "decode_dtype": "bfloat16"},
     "dtype=bfloat16": {"dtype": "bfloat16"},
 }
 
@@ -58,20 +74,24 @@ def main() -> None:
     prompts = [encode_chat(reference.tokenizer, [{"role": "user", "content": text}]) for text in PROMPTS]
     params = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
     ref_tokens = [o.token_ids for o in reference.generate(prompts, params)]
-    ref_logits = first_step_logits(reference, prompts)  # after generate: left queued
+    ref_logits = two_step_logits(reference, prompts, [tokens[0] for tokens in ref_tokens])
     print(f"{len(prompts)} prompts, {sum(map(len, prompts))} rows in the first step "
           f"(the skinny GEMM takes at most {reference.skinny_gemm_max_rows})")
     for name, llm in engines.items():
         tokens = [o.token_ids for o in llm.generate(prompts, params)]
-        diff = (ref_logits - first_step_logits(llm, prompts)).abs()
-        print(f"\n{name} against float32:\n")
-        print("| prompt | max abs logit diff | mean abs logit diff | next token agrees | greedy tokens equal before the first difference |")
+        prefill, decode = (
+            (reference_step - step).abs()
+            for reference_step, step in zip(ref_logits, two_step_logits(llm, prompts, [t[0] for t in ref_tokens]))
+        )
+        print(f"\n{name} against float32 (max / mean abs logit diff):\n")
+        print("| prompt | first step | decode step | next token agrees | greedy tokens equal before the first difference |")
         print("| --- | --- | --- | --- | --- |")
         for index, text in enumerate(PROMPTS):
             a, b = ref_tokens[index], tokens[index]
             same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
             agree = bool(a[0] == b[0])
-            print(f"| {text!r} | {diff[index].max():.4f} | {diff[index].mean():.4f} | {agree} | {same} / {args.tokens} |")
+            print(f"| {text!r} | {prefill[index].max():.4f} / {prefill[index].mean():.4f} "
+                  f"| {decode[index].max():.4f} / {decode[index].mean():.4f} | {agree} | {same} / {args.tokens} |")
 
 
 if __name__ == "__main__":

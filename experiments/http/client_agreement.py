@@ -35,6 +35,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -98,21 +99,22 @@ CLI_LAUNCHER = ("import importlib.metadata as m, runpy, sys\n"
 
 
 def vllm_bench_command(python: Path, server: Server, shape: Shape, seed: int, result_dir: Path,
-                       filename: str) -> list[str]:
-    """``vllm bench serve`` for ``shape``, through :data:`CLI_LAUNCHER`."""
+                       filename: str, temperature: float = 0.0) -> list[str]:
+    """``vllm bench serve`` for ``shape`` at ``temperature``, through :data:`CLI_LAUNCHER`."""
     return [str(python), "-c", CLI_LAUNCHER, "bench", "serve", "--backend", "openai",
             "--base-url", server.base_url, "--endpoint", "/v1/completions", "--model", server.model,
             "--tokenizer", str(server.checkpoint), "--dataset-name", "random",
             "--random-input-len", str(shape.input_len), "--random-output-len", str(shape.output_len),
             "--ignore-eos", "--num-prompts", str(shape.num_prompts), "--max-concurrency", str(shape.concurrency),
-            "--temperature", "0", "--seed", str(seed), "--disable-tqdm", "--save-result",
+            "--temperature", f"{temperature:g}", "--seed", str(seed), "--disable-tqdm", "--save-result",
             "--result-dir", str(result_dir), "--result-filename", filename]
 
 
-def run_vllm_bench(python: Path, server: Server, shape: Shape, seed: int, result_dir: Path, name: str) -> dict[str, Any]:
+def run_vllm_bench(python: Path, server: Server, shape: Shape, seed: int, result_dir: Path, name: str,
+                   temperature: float = 0.0) -> dict[str, Any]:
     """One ``vllm bench serve`` run; its saved result JSON (its console output in ``<name>.log``)."""
     filename = f"{name}.json"
-    command = vllm_bench_command(python, server, shape, seed, result_dir, filename)
+    command = vllm_bench_command(python, server, shape, seed, result_dir, filename, temperature)
     with (result_dir / f"{name}.log").open("w") as log:
         log.write(f"$ {' '.join(command)}\n")
         log.flush()
@@ -215,14 +217,16 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def start_server(kind: str, model: str, dtype: str, vllm_python: Path, log_dir: Path) -> tuple[ServerProcess, Server]:
-    """servelab's ``serve.py`` (defaults; only the port is set) or vLLM's server, on a free loopback port."""
+def start_server(kind: str, model: str, dtype: str, vllm_python: Path, log_dir: Path,
+                 servelab_overrides: Sequence[str] = ()) -> tuple[ServerProcess, Server]:
+    """servelab's ``serve.py`` (defaults and ``servelab_overrides``; the port is set) or vLLM's server
+    in ``dtype``, on a free loopback port."""
     spec = model_node(model, None)
     checkpoint = checkpoint_for_spec(spec)
     port = free_loopback_port()
     if kind == "servelab":
         command = [sys.executable, str(REPO_ROOT / "serve.py"), f"model={model}", "server.host=127.0.0.1",
-                   f"server.port={port}", f"hydra.run.dir={log_dir / 'server'}"]
+                   f"server.port={port}", f"hydra.run.dir={log_dir / 'server'}", *servelab_overrides]
         process = ServerProcess(command, port, log_dir / "server.log", startup_timeout_s=600, stop_timeout_s=30)
     else:
         options = VLLMOptions(dtype=dtype)
