@@ -77,10 +77,13 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     rows) and gives its output back in ``x``'s dtype."""
     rows, out_dtype = x.shape[0], x.dtype
     bucket = onednn_row_bucket(rows)
-    if bucket != rows or x.dtype != packed.dtype:
-        padded = x.new_zeros(bucket, x.shape[1], dtype=packed.dtype)
-        padded[:rows] = x
+    if bucket != rows:
+        padded = x.new_empty(bucket, x.shape[1], dtype=packed.dtype)
+        padded[:rows] = x          # the cast, in the same copy
+        padded[rows:] = 0          # only the padding rows are zeroed
         x = padded
+    elif x.dtype != packed.dtype:
+        x = x.to(packed.dtype)
     if bias is not None:
         bias = bias.to(packed.dtype)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")[:rows].to(out_dtype)

@@ -29,7 +29,7 @@ import torch
 from scipy.stats import chisquare
 
 from engine import LLM, SamplingParams
-from engine.sampler import RowFilters, Sampler, draw
+from engine.sampler import RowFilters, Sampler, draw, greedy_tokens
 from engine.sampling_filters import row_mass, temperature_min_p, top_k_top_p_candidates, top_k_top_p_sorted
 
 LOGITS = np.array([2.0, 1.8, 1.6, 1.4, 1.2, 1.0, 0.8, 0.6, 0.3, 0.0, -0.5, -1.0])
@@ -217,6 +217,23 @@ def test_a_seeded_request_draws_the_same_token_in_any_batch():
     logits = torch.stack([rows[0], rows[1], rows[2], *rows, rows[3], rows[4], rows[5]])
     mixed = Sampler(seed=99, candidates=STRESS_CANDIDATES)(logits, batch)
     assert mixed[len(others):len(others) + len(seeded)] == [token for [token] in alone]
+
+
+def test_greedy_tokens_are_argmax_with_its_first_index_on_ties():
+    """The greedy pick (``max``'s indices, faster than ``argmax`` on a CPU) is ``argmax`` exactly:
+    ties, rows of one value, bfloat16 logits, one row, and a greedy row beside sampled ones."""
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(33, 49152, generator=generator)
+    logits[3, [100, 200, 40000]] = 1e9      # a three-way tie: the first index
+    logits[5] = 0.0                         # every logit equal: index 0
+    logits[7, -1] = 1e9                     # the last index
+    for batch in (logits, logits.bfloat16(), logits[:1], logits[2:9]):
+        assert torch.equal(greedy_tokens(batch), batch.argmax(dim=-1))
+    assert greedy_tokens(logits)[3] == 100 and greedy_tokens(logits)[5] == 0 and greedy_tokens(logits)[7] == 49151
+    seqs = [SimpleNamespace(sampling_params=SamplingParams(temperature=t, seed=1), seq_id=i, num_output_tokens=0)
+            for i, t in enumerate([0.0, 1.0, 0.0])]
+    tokens = Sampler(seed=0)(logits[:3], seqs)
+    assert tokens[0] == int(logits[0].argmax()) and tokens[2] == int(logits[2].argmax())
 
 
 def test_draw_never_reaches_a_zero_weight_token():
