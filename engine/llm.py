@@ -76,14 +76,17 @@ class LLM:
             bfloat16 dot products (AVX512-BF16 or AMX), else a ``ValueError``. ``"auto"``: bfloat16
             where the CPU has them, else float32. Decode-sized steps stay float32 / quantized;
             under bfloat16 a prompt's tokens can depend on how its step was composed, so every
-            token-identity claim of the project holds for float32 (docs/decisions.md).
+            token-identity claim of the project holds for float32 (docs/decisions.md). ``LLM()``
+            keeps float32; ``run.py`` and ``serve.py`` pass ``auto`` (conf/engine/servelab.yaml).
         decode_dtype: performance option, the dtype of the skinny GEMM's panels, which serve
             decode-sized steps (up to 128 rows) above the quantized GEMM's rows (all of them
             without GGUF blocks). ``"float32"`` (default) changes no result. ``"bfloat16"`` packs
             them in bfloat16 pairs and multiplies with AVX512-BF16's dot products (half the weight
-            bytes, ~2x faster here; inputs rounded to bfloat16, float32 sums): needs ``prepack``
-            and a CPU and compiler target with AVX512-BF16, else a ``ValueError``. ``"auto"``:
-            bfloat16 where it has them. Same caveat on token identity as ``prefill_dtype``.
+            bytes, ~2x faster on an AMD EPYC; inputs rounded to bfloat16, float32 sums): needs
+            ``prepack`` and a CPU and compiler target with AVX512-BF16, else a ``ValueError``.
+            ``"auto"``: bfloat16 where it has them, except beside bfloat16 oneDNN copies on a CPU
+            with AMX, where those copies serve every step above 8 rows (faster there) and the
+            panels stay float32 (decision 19). Same caveat on token identity as ``prefill_dtype``.
         quantized_weights: performance option. ``"auto"`` (default): for a checkpoint converted
             from a GGUF file (``model=smollm2-135m-instruct``, a ``.gguf`` path), every weight stored
             there as Q4_1 or Q8_0 also keeps its blocks, and inputs of at most

@@ -4,7 +4,7 @@
 # Real-engine experiments run on model=smollm2-135m (the SmolLM2-135M architecture, random
 # weights, float32; length-controlled workloads with ignore_eos); online_serving, http_overhead and
 # peer_benchmark run on the real model (smollm2-135m-instruct, its GGUF weights: llama.cpp serves
-# the same file), and so do the load profiles rate_sweep and max_goodput (through serve.py); gpu_scale and gpu_scale_l4 run the simulator on datasheet GPU presets.
+# the same file), and so do the load profiles rate_sweep and max_goodput (through serve.py), and head_to_head (serve.py against vLLM, measured by vllm bench serve); gpu_scale and gpu_scale_l4 run the simulator on datasheet GPU presets.
 # simulator_calibration runs the calibration suite (conf/calibration/suite.yaml: seven short runs of the
 # real engine) and fits conf/hardware/cpu-1thread.yaml on them; simulator_validation then checks that
 # fit against the real engine, and simulator_speed times the simulator. Any other conf/experiment/ name runs as the first group does.
@@ -20,7 +20,7 @@ CALIBRATION=cpu-1thread   # conf/hardware/<this>.yaml: written by simulator_cali
 SUITE_RUNS=results/runs/calibration_suite-$CALIBRATION   # where the suite writes its runs (moved into the folder after the fit)
 all=(naive_vs_continuous squeezed_pool prefix_sharing memory_pressure block_size_sweep decode_scaling
   concurrency_sweep shared_prefix_attention online_serving http_overhead peer_benchmark roofline
-  simulator_calibration simulator_validation simulator_validation_regimes simulator_speed gpu_scale gpu_scale_l4 rate_sweep max_goodput)
+  simulator_calibration simulator_validation simulator_validation_regimes simulator_speed gpu_scale gpu_scale_l4 rate_sweep max_goodput head_to_head)
 experiments=("$@")
 [ ${#experiments[@]} -gt 0 ] || experiments=("${all[@]}")
 mkdir -p "$OUT"
@@ -65,7 +65,7 @@ for name in "${experiments[@]}"; do
     echo "skip $name: conf/hardware/$CALIBRATION.yaml exists (remove it and $OUT/$name to refit)"; continue
   fi
   case $name in
-    roofline | simulator_calibration | simulator_validation | simulator_speed | gpu_scale_l4 | rate_sweep | max_goodput) ;;
+    roofline | simulator_calibration | simulator_validation | simulator_speed | gpu_scale_l4 | rate_sweep | max_goodput | head_to_head) ;;
     *) [ -f "conf/experiment/$name.yaml" ] || { echo "unknown experiment '$name': not in conf/experiment/ nor one of: ${all[*]}" >&2; exit 2; } ;;
   esac
   echo "=== $name $(date -u +%T)"
@@ -89,6 +89,11 @@ for name in "${experiments[@]}"; do
       OMP_NUM_THREADS=1 $PY run.py profile=max_goodput engine=servelab_http workload=random workload.input_len=32 \
         workload.output_len=64 workload.num_prompts=32 slo.ttft_s=0.1 slo.tpot_s=0.015 driver.progress=false \
         hydra.run.dir="$OUT/$name" ;;
+    head_to_head)  # serve.py with no flags vs vLLM's CPU build, both measured by `vllm bench serve`
+      $PY -m experiments.http.head_to_head --concurrency 1 8 32 --temperature 0 1 --repeats 3 \
+        --vllm-dtype bfloat16 float32 --out "$OUT/$name/random_128_64"
+      $PY -m experiments.http.head_to_head --input-len 1024 --output-len 128 --concurrency 8 --temperature 0 \
+        --repeats 3 --vllm-dtype bfloat16 --out "$OUT/$name/random_1024_128" ;;
     *) sweep "$name" "$name" model=smollm2-135m ;;
   esac
 done

@@ -3,7 +3,8 @@
 Builds the default model (SmolLM2-135M-Instruct, real weights) as the float32 engine (the
 reference) and as each variant: ``prefill_dtype=bfloat16`` (the oneDNN copies that serve steps of
 more rows than the skinny GEMM in bfloat16), ``decode_dtype=bfloat16`` (the skinny GEMM's panels,
-which serve decode steps above the quantized GEMM's rows and the LM head's rows), both, and
+which serve decode steps above the quantized GEMM's rows and the LM head's rows), both, both
+``auto`` (the default of ``conf/engine/servelab.yaml``: what this CPU gets) and
 ``dtype=bfloat16`` (every weight and activation in bfloat16: an upper bound). On a set of real
 questions, each through the chat template, it prints per prompt the max and mean absolute logit
 difference from float32 of the first step (all prompts in one step of a few hundred rows: the
@@ -59,6 +60,7 @@ VARIANTS = {  # name: LLM keyword arguments beside the reference's
     "prefill_dtype=bfloat16": {"prefill_dtype": "bfloat16"},
     "decode_dtype=bfloat16": {"decode_dtype": "bfloat16"},
     "prefill_dtype=decode_dtype=bfloat16": {"prefill_dtype": "bfloat16", "decode_dtype": "bfloat16"},
+    "prefill_dtype=decode_dtype=auto (run.py's and serve.py's default)": {"prefill_dtype": "auto", "decode_dtype": "auto"},
     "dtype=bfloat16": {"dtype": "bfloat16"},
 }
 
@@ -77,22 +79,32 @@ def main() -> None:
     ref_logits = two_step_logits(reference, prompts, [tokens[0] for tokens in ref_tokens])
     print(f"{len(prompts)} prompts, {sum(map(len, prompts))} rows in the first step "
           f"(the skinny GEMM takes at most {reference.skinny_gemm_max_rows})")
+    summary = []
     for name, llm in engines.items():
         tokens = [o.token_ids for o in llm.generate(prompts, params)]
         prefill, decode = (
             (reference_step - step).abs()
             for reference_step, step in zip(ref_logits, two_step_logits(llm, prompts, [t[0] for t in ref_tokens]))
         )
-        print(f"\n{name} against float32 (max / mean abs logit diff):\n")
+        print(f"\n{name} ({llm.prefill_dtype} copies, {llm.decode_dtype} panels up to {llm.skinny_gemm_max_rows} rows) "
+              "against float32 (max / mean abs logit diff):\n")
         print("| prompt | first step | decode step | next token agrees | greedy tokens equal before the first difference |")
         print("| --- | --- | --- | --- | --- |")
+        same = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                for a, b in zip(ref_tokens, tokens)]
         for index, text in enumerate(PROMPTS):
-            a, b = ref_tokens[index], tokens[index]
-            same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-            agree = bool(a[0] == b[0])
+            agree = bool(ref_tokens[index][0] == tokens[index][0])
             print(f"| {text!r} | {prefill[index].max():.4f} / {prefill[index].mean():.4f} "
-                  f"| {decode[index].max():.4f} / {decode[index].mean():.4f} | {agree} | {same} / {args.tokens} |")
-
+                  f"| {decode[index].max():.4f} / {decode[index].mean():.4f} | {agree} | {same[index]} / {args.tokens} |")
+        per_prompt = {step: (diff.max(dim=-1).values, diff.mean(dim=-1)) for step, diff in (("first", prefill), ("decode", decode))}
+        summary.append(
+            f"| {name} | " + " | ".join(f"{m.min():.2f}-{m.max():.2f} / {a.min():.3f}-{a.max():.3f}" for m, a in per_prompt.values())
+            + f" | {sum(a[0] == b[0] for a, b in zip(ref_tokens, tokens))} of {len(prompts)}"
+            + f" | {sum(n == args.tokens for n in same)} of {len(prompts)} (fewest {min(same)}) |")
+    print("\nSummary, per prompt: max abs logit diff range / mean abs logit diff range\n")
+    print(f"| variant | first step | decode step | next token agrees | all {args.tokens} greedy tokens agree |")
+    print("| --- | --- | --- | --- | --- |")
+    print("\n".join(summary))
 
 if __name__ == "__main__":
     main()

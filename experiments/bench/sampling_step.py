@@ -15,7 +15,11 @@ temperature 0.7 of tens of tokens); ``--prompts random`` sends ``--prompt-len`` 
 which leave the model unsure (flat distributions, heads of hundreds to thousands of tokens): the
 filters' worst case rather than the real one.
 
+``--prefill-dtype`` / ``--decode-dtype`` are the engine's options (default ``auto``, as
+``run.py`` and ``serve.py`` run; ``float32`` for the float32 engine).
+
     python -m experiments.bench.sampling_step --batch-sizes 1 32 --steps 60
+    python -m experiments.bench.sampling_step --prefill-dtype float32 --decode-dtype float32
 """
 from __future__ import annotations
 
@@ -99,13 +103,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-len", type=int, default=128, help="tokens per prompt with --prompts random")
     parser.add_argument("--steps", type=int, default=60, help="decode steps per batch size, cycling through the modes")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: the engine's)")
+    parser.add_argument("--prefill-dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    parser.add_argument("--decode-dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     args = parser.parse_args(argv)
     if args.steps < len(MODES):
         raise ValueError(f"--steps must be at least {len(MODES)} (one per mode), got {args.steps}")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    llm = LLM(model=args.model, max_num_seqs=max(args.batch_sizes))
-    print(f"prompts: {args.prompts}; steps per mode: {args.steps // len(MODES)}")
+    llm = LLM(model=args.model, max_num_seqs=max(args.batch_sizes), prefill_dtype=args.prefill_dtype,
+              decode_dtype=args.decode_dtype)
+    print(f"prompts: {args.prompts}; steps per mode: {args.steps // len(MODES)}; {llm.prefill_dtype} oneDNN copies, "
+          f"{llm.decode_dtype} skinny GEMM panels up to {llm.skinny_gemm_max_rows} rows")
     print("| batch | mode | decode step (ms) | / greedy | in the sampler (ms) | rows widened |\n"
           "| --- | --- | --- | --- | --- | --- |")
     for batch in args.batch_sizes:
