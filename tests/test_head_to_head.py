@@ -1,5 +1,5 @@
 """The head-to-head command without servers: the shapes it measures, the server order rotating
-per repeat, medians and the faster vLLM per shape, a failed run recorded while the rest go on,
+per repeat, only the measured server running (the others paused), medians and the faster vLLM per shape, a failed run recorded while the rest go on,
 every server stopped, the report files, and bad input refused before anything starts."""
 from __future__ import annotations
 
@@ -48,6 +48,13 @@ class FakeProcess:
     def __init__(self, log_path: Path) -> None:
         self.log_path = log_path
         self.stopped = False
+        self.paused = False
+
+    def pause(self) -> None:
+        self.paused = True
+
+    def resume(self) -> None:
+        self.paused = False
 
     def stop(self) -> None:
         self.stopped = True
@@ -67,6 +74,8 @@ def test_a_run_interleaves_servers_takes_medians_and_records_a_failure(tmp_path:
 
     def run_vllm_bench(python, server, shape, seed, out, name, temperature=0.0):
         calls.append((server.model, seed, temperature))
+        assert [p.paused for p in processes].count(False) == 1, "only the measured server runs"
+        assert not processes[int(server.base_url.rsplit(":", 1)[1]) - 1].paused
         if server.model == "vLLM float32" and seed == 1 and temperature == 0.0:
             raise RuntimeError("vllm bench serve exited with code 1")
         tok_s = TOK_S[server.model][(shape.concurrency, temperature)][seed]

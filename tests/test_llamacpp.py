@@ -173,6 +173,35 @@ def test_stop_ends_the_servers_whole_process_group(tmp_path: Path) -> None:
     assert (tmp_path / "server.log").read_text().startswith(f"$ {sys.executable} -c")
 
 
+def state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().split()[2]
+
+
+def test_a_paused_server_group_is_stopped_until_resumed_and_still_stops(tmp_path: Path) -> None:
+    """pause() stops the server and its children (no cycles taken while another server is
+    measured), resume() continues them, and stop() ends a paused server too."""
+    port = free_loopback_port()
+    process = ServerProcess([sys.executable, "-c", HEALTH_SERVER, str(port), str(tmp_path / "child")], port,
+                            tmp_path / "server.log", startup_timeout_s=60, stop_timeout_s=5)
+    child = int((tmp_path / "child").read_text())
+    process.pause()
+    deadline = time.monotonic() + 10
+    while {state(process.process.pid), state(child)} != {"T"} and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert state(process.process.pid) == "T" and state(child) == "T"
+    process.resume()
+    deadline = time.monotonic() + 10
+    while "T" in {state(process.process.pid), state(child)} and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert state(process.process.pid) != "T" and state(child) != "T"
+    process.pause()
+    process.stop()
+    deadline = time.monotonic() + 10
+    while alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(child) and process.process.returncode is not None
+
+
 def test_a_server_that_dies_at_startup_fails_with_its_log(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="(?s)exited with code 3 during startup.*no model here"):
         ServerProcess(["sh", "-c", "echo no model here; exit 3"], free_loopback_port(), tmp_path / "log",

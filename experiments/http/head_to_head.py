@@ -9,7 +9,8 @@ each repeat runs every shape (``--input-len`` / ``--output-len``, ``--concurrenc
 ``--temperature``) against each server in turn, one ``vllm bench serve`` run each: random
 prompts sent as text, ``--ignore-eos``, 4 x c prompts, at most c in flight, the same seed for
 every server within a repeat. The server order rotates every repeat, so a machine that slows down
-during the run does not favour one server. Idle servers wait on their sockets.
+during the run does not favour one server. The servers not being measured are paused (SIGSTOP to
+their process groups), so an idle server's threads cannot take cycles from the measured one.
 
 Per shape it reports each server's median over repeats (and range) of output tok/s, TTFT p50 and
 TPOT p50, and servelab's median over the faster vLLM's (the dtype with the higher median output
@@ -44,7 +45,7 @@ from experiments.http.client_agreement import (
     run_vllm_bench,
     start_server,
 )
-from experiments.http.server_process import REPO_ROOT
+from experiments.http.server_process import REPO_ROOT, ServerProcess
 from experiments.peers.vllm_install import cpu_build_python, vllm_version
 
 # vllm_bench.json key -> the name in the report
@@ -177,6 +178,7 @@ def main(argv: list[str] | None = None) -> None:
     runs: list[dict[str, Any]] = []
     with ExitStack() as stack:
         servers: dict[str, Server] = {}
+        processes: dict[str, ServerProcess] = {}
         for label, dtype in zip(labels, ["float32", *args.vllm_dtype]):
             kind = "servelab" if label == SERVELAB else "vllm"
             log_dir = out / label.replace(" ", "_")
@@ -185,6 +187,8 @@ def main(argv: list[str] | None = None) -> None:
             process, servers[label] = start_server(kind, args.model, dtype, python, log_dir,
                                                    servelab_overrides=args.servelab_override)
             stack.callback(process.stop)
+            process.pause()
+            processes[label] = process
             if kind == "servelab":
                 servelab_applied = applied_options(process.log_path)
         for repeat in range(args.repeats):
@@ -194,6 +198,7 @@ def main(argv: list[str] | None = None) -> None:
                     loadavg = load_average()
                     run = {"case": case.name, "shape": {**asdict(case.shape), "temperature": case.temperature},
                            "repeat": repeat, "server": label, "loadavg": loadavg}
+                    processes[label].resume()
                     try:
                         result = run_vllm_bench(python, servers[label], case.shape, repeat, out, name,
                                                 temperature=case.temperature)
@@ -205,6 +210,8 @@ def main(argv: list[str] | None = None) -> None:
                                    reading={key: result[key] for key in METRICS})
                         print(f"{name}: " + ", ".join(f"{METRICS[k]} {v:.1f}" for k, v in run["reading"].items())
                               + f"{' (failed requests)' if run['failed'] else ''} (load {loadavg.split()[0]})", flush=True)
+                    finally:
+                        processes[label].pause()
                     runs.append(run)
     report = {"machine": machine(), "started": started.isoformat(timespec="seconds"),
               "ended": datetime.now(timezone.utc).isoformat(timespec="seconds"), "command": " ".join(["python -m experiments.http.head_to_head", *sys.argv[1:]]),

@@ -119,9 +119,20 @@ class ServerProcess:
             self.log.flush()
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
+    def pause(self) -> None:
+        """SIGSTOP to the process group: the server takes no CPU (nor spins) until :meth:`resume`,
+        e.g. while another server beside it is measured on the same cores."""
+        self._signal_group(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT to the process group (after :meth:`pause`)."""
+        self._signal_group(signal.SIGCONT)
+
     def stop(self) -> int | None:
-        """SIGTERM to the process group, bounded wait, then SIGKILL to the group; returns the exit code."""
+        """SIGTERM to the process group, bounded wait, then SIGKILL to the group; returns the exit code.
+        A paused server is resumed first, so it can handle the SIGTERM."""
         if self.process.poll() is None:
+            self.resume()
             self._signal_group(signal.SIGTERM)
             try:
                 self.process.wait(self.stop_timeout_s)
