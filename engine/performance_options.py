@@ -65,8 +65,9 @@ class PerformanceOptions:
 
 #: With bfloat16 oneDNN copies on a CPU with AMX, the skinny GEMM serves at most this many rows:
 #: oneDNN's AMX matmuls are faster above it (one SmolLM2 layer's linears, Xeon with AMX, 2 cores,
-#: 2026-12-06: 0.48 ms at 12 rows against 0.75 / 0.84 ms for the bfloat16 / float32 panels, 0.59
-#: against 1.28 / 1.11 ms at 32; the panels are faster up to 8; docs/decisions.md, decision 19).
+#: 2026-12-06 23:22 UTC: 0.35 ms at 12 rows against 0.46 / 0.52 ms for the bfloat16 / float32
+#: panels, 0.43 against 1.18 / 1.02 ms at 32; the panels are faster up to 8; docs/decisions.md,
+#: decision 19).
 SKINNY_ROWS_BESIDE_AMX = 8
 
 

@@ -8,6 +8,7 @@ changes), the CPU model and thread counts, and the GPU with its CUDA stack
 """
 from __future__ import annotations
 
+import json
 import os
 import platform
 import subprocess
@@ -56,6 +57,15 @@ def library_versions() -> dict[str, str | None]:
 
 
 APPLIED_LOG_PREFIX = "engine applied: "  # serve.py logs its engine's applied_options as this prefix + JSON
+
+
+def logged_applied_options(log_path: Path) -> dict[str, Any] | None:
+    """The applied options serve.py logged at startup (its :data:`APPLIED_LOG_PREFIX` line) in the
+    server log at ``log_path``; ``None`` when there is no such line."""
+    for line in log_path.read_text(errors="replace").splitlines():
+        if APPLIED_LOG_PREFIX in line:
+            return json.loads(line.split(APPLIED_LOG_PREFIX, 1)[1])
+    return None
 
 
 def applied_options(engine: Any) -> dict[str, Any]:

@@ -217,6 +217,16 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def new_results_dir(out: Path | None, command: str, started: datetime, report: str) -> Path:
+    """The command's results folder, made: ``out``, or ``results/<command>/<start time>``. Refused
+    (``ValueError``) when it already holds ``report``: results are never overwritten."""
+    folder = (out or REPO_ROOT / "results" / command / started.strftime("%Y%m%d-%H%M%S")).resolve()
+    if (folder / report).exists():
+        raise ValueError(f"{folder / report} exists: pick another --out (results are never overwritten)")
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
 def start_server(kind: str, model: str, dtype: str, vllm_python: Path, log_dir: Path,
                  servelab_overrides: Sequence[str] = ()) -> tuple[ServerProcess, Server]:
     """servelab's ``serve.py`` (defaults and ``servelab_overrides``; the port is set) or vLLM's server
@@ -253,10 +263,7 @@ def main(argv: list[str] | None = None) -> None:
         raise ValueError(f"--pairs must be >= 1, got {args.pairs}")
     shapes = [Shape(c, args.input_len, args.output_len) for c in args.concurrency]
     started = datetime.now(timezone.utc)
-    out = (args.out or REPO_ROOT / "results" / "client_agreement" / started.strftime("%Y%m%d-%H%M%S")).resolve()
-    if (out / "agreement.json").exists():
-        raise ValueError(f"{out / 'agreement.json'} exists: pick another --out (results are never overwritten)")
-    out.mkdir(parents=True, exist_ok=True)
+    out = new_results_dir(args.out, "client_agreement", started, "agreement.json")
     vllm_python = cpu_build_python()
     process, server = start_server(args.server, args.model, args.dtype, vllm_python, out)
     try:

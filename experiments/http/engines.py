@@ -32,7 +32,7 @@ from engine.loader import checkpoint_for_spec
 from engine.model_config import ModelConfig
 from engine.tokenizer import decode, load_tokenizer, require_tokenizer
 from experiments.harness.driver import DriveResult
-from experiments.harness.environment import APPLIED_LOG_PREFIX
+from experiments.harness.environment import logged_applied_options
 from experiments.harness.follow_ups import FollowUps
 from experiments.http.client import HTTPTarget, drive_result, run_load, warm_up
 from experiments.harness.metrics import SLO
@@ -168,10 +168,7 @@ class ServelabHTTPEngine(StartedServerEngine):
     def server_applied_options(self) -> dict[str, Any] | None:
         """The options the server's engine applied (attention backend, quantized weights, ...), as
         serve.py logged them at startup; ``summary.json``'s environment records them."""
-        for line in self.process.log_path.read_text(errors="replace").splitlines():
-            if APPLIED_LOG_PREFIX in line:
-                return json.loads(line.split(APPLIED_LOG_PREFIX, 1)[1])
-        return None
+        return logged_applied_options(self.process.log_path)
 
     @classmethod
     def from_config(cls, cfg: DictConfig, endpoint: str = "completions", timeout_s: float = 600.0,

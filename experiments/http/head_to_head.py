@@ -36,16 +36,17 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from experiments.harness.environment import APPLIED_LOG_PREFIX
+from experiments.harness.environment import logged_applied_options
 from experiments.http.client_agreement import (
     Server,
     Shape,
     load_average,
     machine,
+    new_results_dir,
     run_vllm_bench,
     start_server,
 )
-from experiments.http.server_process import REPO_ROOT, ServerProcess
+from experiments.http.server_process import ServerProcess
 from experiments.peers.vllm_install import cpu_build_python, vllm_version
 
 # vllm_bench.json key -> the name in the report
@@ -143,14 +144,6 @@ def csv_text(report: dict[str, Any]) -> str:
     return out.getvalue()
 
 
-def applied_options(log_path: Path) -> dict[str, Any] | None:
-    """What serve.py applied (its startup log line), or None when it is not there."""
-    for line in log_path.read_text(errors="replace").splitlines():
-        if APPLIED_LOG_PREFIX in line:
-            return json.loads(line.split(APPLIED_LOG_PREFIX, 1)[1])
-    return None
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32], help="max requests in flight")
@@ -169,10 +162,7 @@ def main(argv: list[str] | None = None) -> None:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     measured = cases(args.input_len, args.output_len, args.concurrency, args.temperature)
     started = datetime.now(timezone.utc)
-    out = (args.out or REPO_ROOT / "results" / "head_to_head" / started.strftime("%Y%m%d-%H%M%S")).resolve()
-    if (out / "head_to_head.json").exists():
-        raise ValueError(f"{out / 'head_to_head.json'} exists: pick another --out (results are never overwritten)")
-    out.mkdir(parents=True, exist_ok=True)
+    out = new_results_dir(args.out, "head_to_head", started, "head_to_head.json")
     python = cpu_build_python()
     labels = [SERVELAB] + [f"vLLM {dtype}" for dtype in args.vllm_dtype]
     runs: list[dict[str, Any]] = []
@@ -190,7 +180,7 @@ def main(argv: list[str] | None = None) -> None:
             process.pause()
             processes[label] = process
             if kind == "servelab":
-                servelab_applied = applied_options(process.log_path)
+                servelab_applied = logged_applied_options(process.log_path)
         for repeat in range(args.repeats):
             for case in measured:
                 for label in server_order(labels, repeat):
