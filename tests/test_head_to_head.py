@@ -85,6 +85,7 @@ def test_a_run_interleaves_servers_takes_medians_and_records_a_failure(tmp_path:
     monkeypatch.setattr(head_to_head, "start_server", start_server)
     monkeypatch.setattr(head_to_head, "run_vllm_bench", run_vllm_bench)
     monkeypatch.setattr(head_to_head, "cpu_build_python", lambda: Path("/v/python"))
+    monkeypatch.setattr(head_to_head, "check_vllm_bench", lambda python: None)
     monkeypatch.setattr(head_to_head, "vllm_version", lambda python: "0.32.0")
     out = tmp_path / "h2h"
     head_to_head.main(["--concurrency", "8", "--temperature", "0", "1", "--repeats", "3",
@@ -125,3 +126,13 @@ def test_bad_input_is_refused_before_a_server_starts(tmp_path: Path, monkeypatch
         head_to_head.main(["--repeats", "0", "--out", str(tmp_path)])
     with pytest.raises(ValueError, match="concurrency must be >= 1"):
         head_to_head.main(["--concurrency", "0", "--out", str(tmp_path)])
+
+
+def test_a_client_that_cannot_start_stops_the_run_before_any_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    python = tmp_path / "python"
+    python.write_text("#!/bin/sh\necho importing the kernels\nkill -ILL $$\n")
+    python.chmod(0o755)
+    monkeypatch.setattr(head_to_head, "cpu_build_python", lambda: python)
+    monkeypatch.setattr(head_to_head, "start_server", lambda *a, **k: pytest.fail("a server was started"))
+    with pytest.raises(RuntimeError, match="(?s)vllm bench serve cannot start.*killed by SIGILL.*importing the kernels"):
+        head_to_head.main(["--concurrency", "1", "--out", str(tmp_path / "h2h")])

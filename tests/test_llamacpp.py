@@ -208,6 +208,13 @@ def test_a_server_that_dies_at_startup_fails_with_its_log(tmp_path: Path) -> Non
                       startup_timeout_s=30, stop_timeout_s=5)
 
 
+def test_a_server_killed_by_a_signal_at_startup_names_the_signal(tmp_path: Path) -> None:
+    """e.g. a build for AVX-512 started on an AVX2-only CPU: SIGILL, said as such, not "code -4"."""
+    with pytest.raises(RuntimeError, match="(?s)was killed by SIGILL \\(an instruction this CPU does not have.*loading kernels"):
+        ServerProcess(["sh", "-c", "echo loading kernels; kill -ILL $$"], free_loopback_port(), tmp_path / "log",
+                      startup_timeout_s=30, stop_timeout_s=5)
+
+
 @pytest.mark.slow
 def test_real_llama_server_serves_the_burst(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     found = build.on_path() or build.cached(Path.home() / ".cache" / "servelab")  # the tests' own cache is empty

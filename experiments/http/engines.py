@@ -36,7 +36,14 @@ from experiments.harness.environment import logged_applied_options
 from experiments.harness.follow_ups import FollowUps
 from experiments.http.client import HTTPTarget, drive_result, run_load, warm_up
 from experiments.harness.metrics import SLO
-from experiments.http.server_process import ServerError, ServerProcess, free_loopback_port, server_config, start_serve_py
+from experiments.http.server_process import (
+    ServerError,
+    ServerProcess,
+    exit_status,
+    free_loopback_port,
+    server_config,
+    start_serve_py,
+)
 from experiments.http.scrape import MetricsSampler
 from experiments.http.vllm_bench import vllm_bench_result
 from experiments.harness.workloads import WorkloadRequest
@@ -158,7 +165,7 @@ class StartedServerEngine(OpenAIEngine):
     def close(self) -> None:
         code = self.process.stop()
         if code not in (0, None):
-            raise ServerError(f"{self.process.name} exited with code {code}", self.process.log_tail())
+            raise ServerError(f"{self.process.name} {exit_status(code)}", self.process.log_tail())
 
 
 class ServelabHTTPEngine(StartedServerEngine):

@@ -40,6 +40,7 @@ from experiments.harness.environment import logged_applied_options
 from experiments.http.client_agreement import (
     Server,
     Shape,
+    check_vllm_bench,
     load_average,
     machine,
     new_results_dir,
@@ -164,6 +165,7 @@ def main(argv: list[str] | None = None) -> None:
     started = datetime.now(timezone.utc)
     out = new_results_dir(args.out, "head_to_head", started, "head_to_head.json")
     python = cpu_build_python()
+    check_vllm_bench(python)
     labels = [SERVELAB] + [f"vLLM {dtype}" for dtype in args.vllm_dtype]
     runs: list[dict[str, Any]] = []
     with ExitStack() as stack:

@@ -37,6 +37,20 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 STRATEGY_GROUPS = ("model", "cache", "scheduler", "attention")
 
 
+def exit_status(code: int) -> str:
+    """How a child process ended, for error messages: ``"exited with code 2"``, or for the negative
+    codes :mod:`subprocess` gives a process killed by a signal, the signal's name; SIGILL (an
+    instruction this CPU does not have, e.g. a build for AVX-512 on an AVX2-only CPU) says so."""
+    if code >= 0:
+        return f"exited with code {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        return f"was killed by signal {-code}"
+    hint = " (an instruction this CPU does not have: a build for another CPU?)" if name == "SIGILL" else ""
+    return f"was killed by {name}{hint}"
+
+
 class ServerError(RuntimeError):
     """A server exited (at startup or with an error) or never became healthy; ``log_tail`` is the end of its log."""
 
@@ -103,7 +117,7 @@ class ServerProcess:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise ServerError(f"{self.name} exited with code {self.process.returncode} during startup",
+                raise ServerError(f"{self.name} {exit_status(self.process.returncode)} during startup",
                                        self.log_tail())
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as response:
