@@ -49,7 +49,7 @@ from experiments.harness.metrics import SLO
 from experiments.harness.random_dataset import random_dataset
 from experiments.harness.workloads import special_token_ids, tokenize_requests, warmup_requests
 from experiments.http.client import HTTPTarget, run_load, warm_up
-from experiments.http.server_process import REPO_ROOT, ServerProcess, exit_status, free_loopback_port
+from experiments.http.server_process import REPO_ROOT, ServerProcess, exit_status, free_loopback_port, last_lines
 from experiments.http.vllm_bench import vllm_bench_result
 from experiments.peers.vllm import VLLMOptions, vllm_server_command, vllm_server_env
 from experiments.peers.vllm_install import cpu_build_python
@@ -119,8 +119,8 @@ def check_vllm_bench(python: Path) -> None:
     done = subprocess.run([str(python), "-c", CLI_LAUNCHER, "bench", "serve", "--help"], capture_output=True,
                           text=True, timeout=600)
     if done.returncode != 0:
-        tail = "\n".join((done.stdout + done.stderr).splitlines()[-15:])
-        raise RuntimeError(f"vllm bench serve cannot start with {python}: it {exit_status(done.returncode)}:\n{tail}")
+        raise RuntimeError(f"vllm bench serve cannot start with {python}: it {exit_status(done.returncode)}:\n"
+                           f"{last_lines(done.stdout + done.stderr, 15)}")
 
 
 def run_vllm_bench(python: Path, server: Server, shape: Shape, seed: int, result_dir: Path, name: str,
@@ -133,7 +133,7 @@ def run_vllm_bench(python: Path, server: Server, shape: Shape, seed: int, result
         log.flush()
         code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, cwd=result_dir).returncode
     if code != 0:
-        tail = "\n".join((result_dir / f"{name}.log").read_text(errors="replace").splitlines()[-15:])
+        tail = last_lines((result_dir / f"{name}.log").read_text(errors="replace"), 15)
         raise RuntimeError(f"vllm bench serve {exit_status(code)}:\n{tail}")
     return json.loads((result_dir / filename).read_text())
 

@@ -37,6 +37,11 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 STRATEGY_GROUPS = ("model", "cache", "scheduler", "attention")
 
 
+def last_lines(text: str, lines: int) -> str:
+    """The last ``lines`` lines of ``text`` (a log's tail for an error message)."""
+    return "\n".join(text.splitlines()[-lines:])
+
+
 def exit_status(code: int) -> str:
     """How a child process ended, for error messages: ``"exited with code 2"``, or for the negative
     codes :mod:`subprocess` gives a process killed by a signal, the signal's name; SIGILL (an
@@ -131,7 +136,7 @@ class ServerProcess:
     def log_tail(self, lines: int = 20) -> str:
         if not self.log.closed:
             self.log.flush()
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        return last_lines(self.log_path.read_text(errors="replace"), lines)
 
     def pause(self) -> None:
         """SIGSTOP to the process group: the server takes no CPU (nor spins) until :meth:`resume`,
