@@ -86,7 +86,12 @@ class LLM:
             ``prepack`` and a CPU and compiler target with AVX512-BF16, else a ``ValueError``.
             ``"auto"``: bfloat16 where it has them, except beside bfloat16 oneDNN copies on a CPU
             with AMX, where those copies serve every step above 8 rows (faster there) and the
-            panels stay float32 (decision 19). Same caveat on token identity as ``prefill_dtype``.
+            panels stay float32 (decision 19). ``"int16"``: decode batches of 5-32 rows take the
+            integer GEMM over the GGUF blocks (:mod:`engine.integer_gemm`; activations rounded to
+            int16 per block of 32, int32 sums, 1.2-1.4x faster than float32 panels on an AVX2-only
+            AMD EPYC): needs ``prepack`` and ``quantized_weights`` with a GGUF checkpoint, else a
+            ``ValueError``; ``"auto"`` takes it on CPUs with neither bfloat16 dot products nor
+            AVX-512 (decision 20). Same caveat on token identity as ``prefill_dtype``.
         quantized_weights: performance option. ``"auto"`` (default): for a checkpoint converted
             from a GGUF file (``model=smollm2-135m-instruct``, a ``.gguf`` path), every weight stored
             there as Q4_1 or Q8_0 also keeps its blocks, and inputs of at most

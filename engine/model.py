@@ -35,6 +35,7 @@ from torch import nn
 from engine.attention_metadata import AttentionMetadata
 from engine.fused_ops import FusedOps
 from engine.host_memory import huge_page_empty
+from engine.integer_gemm import IntegerGemm
 from engine.model_config import ModelConfig
 from engine.native_layers import NativeLayers
 from engine.quantized_gemm import QuantizedGemm, QuantizedWeight
@@ -304,28 +305,34 @@ class CausalLM(nn.Module):
                 holder.skinny_max_rows = skinny_gemm.max_rows
 
     def use_quantized_weights(
-        self, gemm: QuantizedGemm, blocks: Mapping[str, tuple[str, torch.Tensor]]
+        self, gemm: QuantizedGemm, blocks: Mapping[str, tuple[str, torch.Tensor]], integer_gemm: IntegerGemm | None = None,
     ) -> dict[str, int]:
         """Give every projection and the LM head whose weight is in ``blocks`` (our parameter name ->
         (GGUF type, raw blocks), :func:`engine.loader.load_quantized_blocks`) a copy packed for
-        ``gemm``, used for inputs of at most ``gemm.max_rows`` rows. Returns the count per type."""
-        def pack(name: str, out_features: int, in_features: int) -> QuantizedWeight:
+        ``gemm``, used for inputs of at most ``gemm.max_rows`` rows, and, with ``integer_gemm``, one
+        packed for it, used above those rows up to ``integer_gemm.max_rows``. Returns the count per type."""
+        def pack(name: str, kernel: QuantizedGemm | IntegerGemm, out_features: int, in_features: int) -> QuantizedWeight:
             qtype, data = blocks[name]
-            weight = gemm.pack(data, qtype, in_features)
+            weight = kernel.pack(data, qtype, in_features)
             if weight.out_features != out_features:
                 raise ValueError(f"{name}: {qtype} blocks hold {weight.out_features} rows, the model {out_features}")
-            counts[qtype] = counts.get(qtype, 0) + 1
             return weight
+
+        def attach(copies: WeightCopies, name: str, out_features: int, in_features: int) -> None:
+            copies.quantized_gemm = gemm
+            copies.quantized = pack(name, gemm, out_features, in_features)
+            if integer_gemm is not None:
+                copies.integer_gemm = integer_gemm
+                copies.integer = pack(name, integer_gemm, out_features, in_features)
+            counts[blocks[name][0]] = counts.get(blocks[name][0], 0) + 1
 
         counts: dict[str, int] = {}
         for name, module in self.named_modules():
             if isinstance(module, Linear) and module is not self.lm_head and f"{name}.weight" in blocks:
-                module.quantized_gemm = gemm
-                module.quantized = pack(f"{name}.weight", module.out_features, module.in_features)
+                attach(module, f"{name}.weight", module.out_features, module.in_features)
         head = "embed_tokens.weight" if self.lm_head is None else "lm_head.weight"
         if head in blocks:
-            self.logits_head.quantized_gemm = gemm
-            self.logits_head.quantized = pack(head, self.config.vocab_size, self.config.hidden_size)
+            attach(self.logits_head, head, self.config.vocab_size, self.config.hidden_size)
         return counts
 
     def forward(

@@ -17,8 +17,11 @@ skinny-GEMM copies (:mod:`engine.weight_copies`); ``quantized_weights`` adds the
 decoder layers in C (:mod:`engine.native_layers`); ``keep_freed_memory`` tunes ``malloc``.
 ``prefill_dtype`` picks the dtype of the oneDNN copies (float32, or bfloat16 where the CPU has
 bfloat16 dot products; steps of many rows, docs/decisions.md, decision 18) and ``decode_dtype``
-the dtype of the skinny GEMM's panels (decode-sized steps above the quantized GEMM's rows; decision
-19): the two options that change what a step computes. ``cuda_graphs`` is applied later, by the runner. What was
+the arithmetic of decode-sized steps above the quantized GEMM's rows: the skinny GEMM's panels in
+float32 or bfloat16 (decision 19), or ``int16``, the integer GEMM over the GGUF blocks with
+activations rounded to int16 (:mod:`engine.integer_gemm`, decision 20; ``auto`` takes it on a
+CPU without bfloat16 dot products and without AVX-512): the two options that change what a step
+computes. ``cuda_graphs`` is applied later, by the runner. What was
 applied (:class:`AppliedOptions`) is what the engine reports and every run records
 (``summary.json``'s ``environment``).
 """
@@ -34,6 +37,7 @@ import torch
 
 from engine import host_memory
 from engine.fused_ops import FusedOps
+from engine.integer_gemm import IntegerGemm
 from engine.loader import load_quantized_blocks
 from engine.model import CausalLM
 from engine.model_config import ModelConfig
@@ -60,7 +64,7 @@ class PerformanceOptions:
     keep_freed_memory: bool | str = "auto"  # glibc malloc keeps freed activation buffers (CPU runs)
     cuda_graphs: bool = False  # replay decode-only steps as CUDA graphs (CUDA only)
     prefill_dtype: str = "float32"  # float32 | bfloat16 | auto: dtype of the oneDNN copies (steps of many rows)
-    decode_dtype: str = "float32"  # float32 | bfloat16 | auto: dtype of the skinny GEMM's panels (decode-sized steps)
+    decode_dtype: str = "float32"  # float32 | bfloat16 | int16 | auto: arithmetic of decode-sized steps (skinny GEMM panels, or the integer GEMM)
 
 
 #: With bfloat16 oneDNN copies on a CPU with AMX, the skinny GEMM serves at most this many rows:
@@ -77,11 +81,11 @@ class AppliedOptions:
 
     prepacked: bool  # every linear has its oneDNN-prepacked copy
     prefill_dtype: str  # dtype of those copies ("float32" or "bfloat16"; "float32" when not prepacked)
-    decode_dtype: str  # dtype of the skinny GEMM's panels ("float32" or "bfloat16"; "float32" without them)
+    decode_dtype: str  # arithmetic of decode-sized steps: the skinny GEMM's panels' dtype ("float32" or "bfloat16"), or "int16" (the integer GEMM)
     skinny_gemm_max_rows: int  # linears of at most this many rows take the skinny GEMM (0: none)
     skinny_gemm_tile_rows: int  # rows of the skinny GEMM's full register tile (0: no skinny GEMM)
     onednn_row_buckets: int  # prepacked linears pad rows to this many buckets per octave (0: no padding)
-    quantized_weights: dict[str, Any] | None  # {"types": {GGUF type: weights}, "max_rows": rows}; None: not used
+    quantized_weights: dict[str, Any] | None  # {"types": {GGUF type: weights}, "max_rows": rows, "integer_max_rows": rows or 0}; None: not used
     fused: bool  # the fused C kernels run instead of the eager PyTorch ops
     kept_freed_memory: bool  # glibc's malloc was tuned to keep freed memory
     cuda_graphs: bool  # decode-only steps are to be captured as CUDA graphs (requested, on a CUDA device)
@@ -132,13 +136,13 @@ def apply_performance_options(
     the order they build on each other, and say what was applied."""
     prepacked, skinny_gemm, packed_dtype = _prepack(model, device, dtype, options)
     panel_dtype = skinny_gemm.dtype if skinny_gemm is not None else torch.float32
-    quantized = _quantized_weights(model, model_config, checkpoint, device, dtype, options.quantized_weights, panel_dtype)
+    quantized = _quantized_weights(model, model_config, checkpoint, device, dtype, options, skinny_gemm)
     fused = _fused_ops(model, device, dtype, options.fused_ops)
     kept_freed_memory = _keep_freed_memory(device, options.keep_freed_memory)
     return AppliedOptions(
         prepacked=prepacked,
         prefill_dtype=str(packed_dtype).removeprefix("torch."),
-        decode_dtype=str(panel_dtype).removeprefix("torch."),
+        decode_dtype="int16" if quantized is not None and quantized["integer_max_rows"] else str(panel_dtype).removeprefix("torch."),
         skinny_gemm_max_rows=skinny_gemm.max_rows if skinny_gemm is not None else 0,
         skinny_gemm_tile_rows=skinny_gemm.tile_rows if skinny_gemm is not None else 0,
         onednn_row_buckets=ONEDNN_BUCKETS_PER_OCTAVE if prepacked else 0,
@@ -182,8 +186,11 @@ def _reduced_dtype(name: str, value: str, prepacked: bool, cpu_bf16: bool, requi
     bfloat16 needs the prepacked copies and ``cpu_bf16`` (the kernel's bfloat16 dot products,
     ``requirement``); ``auto`` takes bfloat16 where both hold and ``auto_takes_bf16`` (it is the
     faster choice there), float32 elsewhere."""
+    if name == "decode_dtype" and value == "int16":
+        return torch.float32  # the panels stay float32; the integer GEMM is _quantized_weights' to add
     if value not in ("float32", "bfloat16", "auto"):
-        raise ValueError(f"{name} must be float32, bfloat16 or auto, got {value!r}")
+        choices = "float32, bfloat16, int16 or auto" if name == "decode_dtype" else "float32, bfloat16 or auto"
+        raise ValueError(f"{name} must be {choices}, got {value!r}")
     bf16 = prepacked and cpu_bf16
     if value == "bfloat16" and not bf16:
         raise ValueError(f"{name}=bfloat16 needs prepack (a float32 model on a CPU with oneDNN) and {requirement} "
@@ -194,20 +201,36 @@ def _reduced_dtype(name: str, value: str, prepacked: bool, cpu_bf16: bool, requi
 
 def _quantized_weights(
     model: CausalLM, model_config: ModelConfig, checkpoint: Path, device: torch.device, dtype: torch.dtype,
-    quantized: bool | str, panel_dtype: torch.dtype,
+    options: PerformanceOptions, skinny_gemm: SkinnyGemm | None,
 ) -> dict[str, Any] | None:
-    """``{"types": {GGUF type: weights using it}, "max_rows": rows}`` where applied, else ``None``;
-    ``panel_dtype``: the skinny GEMM's, which sets the rows up to which the quantized GEMM is faster."""
+    """``{"types": {GGUF type: weights using it}, "max_rows": rows, "integer_max_rows": rows}``
+    where applied, else ``None``; ``skinny_gemm``: the one that got its panels (their dtype sets
+    the rows up to which the quantized GEMM is faster). ``decode_dtype=int16`` adds the integer
+    GEMM's copies (``integer_max_rows``, 0 without them); ``auto`` adds them where the skinny GEMM
+    has float32 panels of the AVX2 build (4-row tiles) and the CPU no bfloat16 dot products."""
+    quantized = options.quantized_weights
+    panel_dtype = skinny_gemm.dtype if skinny_gemm is not None else torch.float32
     cpu_float32 = device.type == "cpu" and dtype == torch.float32
     blocks = load_quantized_blocks(checkpoint, model_config) if cpu_float32 and quantized is not False else {}
     requirement = (f"float32 on a CPU and a checkpoint converted from a GGUF file with Q4_1 / Q8_0 weights "
                    f"(got {dtype} on {device}, checkpoint {checkpoint})")
+    wants_integer = options.decode_dtype == "int16"
+    if wants_integer and (not blocks or quantized is False or skinny_gemm is None):
+        raise ValueError(f"decode_dtype=int16 needs prepack and quantized_weights: {requirement} "
+                         f"(quantized_weights={quantized!r}, prepack applied: {skinny_gemm is not None})")
     if not option_enabled("quantized_weights", quantized, bool(blocks), requirement):
         return None
     gemm = build_kernel("quantized_weights", quantized, lambda: QuantizedGemm(panel_dtype), "decode steps read the float32 weights")
     if gemm is None:
         return None
-    return {"types": model.use_quantized_weights(gemm, blocks), "max_rows": gemm.max_rows}
+    integer_here = (skinny_gemm is not None and panel_dtype == torch.float32 and skinny_gemm.tile_rows == 4
+                    and not onednn_bf16_supported() and not skinny_bf16_supported())
+    integer_gemm = None
+    if wants_integer or (options.decode_dtype == "auto" and integer_here):
+        integer_gemm = build_kernel("decode_dtype", True if wants_integer else "auto", IntegerGemm,
+                                    "decode batches use the float32 skinny GEMM")
+    return {"types": model.use_quantized_weights(gemm, blocks, integer_gemm), "max_rows": gemm.max_rows,
+            "integer_max_rows": integer_gemm.max_rows if integer_gemm is not None else 0}
 
 
 def _fused_ops(model: CausalLM, device: torch.device, dtype: torch.dtype, fused_ops: bool | str) -> bool:

@@ -42,22 +42,22 @@ class QuantizedWeight:
     in_features: int
 
 
-class QuantizedGemm:
-    """``pack`` a weight's GGUF blocks once, then ``linear(x, weight, bias)`` = ``x @ W.T + b``;
-    ``max_rows``: the most rows for which this build beats the skinny GEMM whose panels are
-    ``panel_dtype``."""
+class BlockGemm:
+    """A GEMM over GGUF blocks, as one C library: ``pack`` a weight's blocks once, then ``linear(x,
+    weight, bias)`` = ``x @ W.T + b``; ``max_rows``: the most rows it is used for; ``addresses``:
+    per type, the GEMM with the skinny GEMM's signature, for C callers (engine.native_layers).
+    ``library`` names the C file, ``prefix`` its functions (``{prefix}_packed_bytes``,
+    ``{prefix}_pack``, ``{prefix}_gemm``, ``{prefix}_gemm_q4_1``, ``{prefix}_gemm_q8_0``)."""
 
-    def __init__(self, panel_dtype: torch.dtype = torch.float32) -> None:
-        if panel_dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"the skinny GEMM's panels are float32 or bfloat16, not {panel_dtype}")
-        build_max_rows = native.function("quant_gemm", "quant_gemm_max_rows", [], _I64)()
-        self.max_rows: int = build_max_rows if panel_dtype == torch.float32 else min(build_max_rows, MAX_ROWS_BESIDE_BF16_PANELS)
-        self._bytes = native.function("quant_gemm", "quant_packed_bytes", [_I64, _I64, _I64], _I64)
-        self._pack = native.function("quant_gemm", "quant_pack", [_P, _I64, _I64, _I64, _P])
-        self._gemm = native.function("quant_gemm", "quant_gemm", [_P, _I64, _I64, _I64, _P, _I64, _P, _I64, _P])
-        # per type, the GEMM with the skinny GEMM's signature, for C callers (engine.native_layers)
+    name = "a block GEMM"
+
+    def __init__(self, library: str, prefix: str, max_rows: int) -> None:
+        self.max_rows: int = max_rows
+        self._bytes = native.function(library, f"{prefix}_packed_bytes", [_I64, _I64, _I64], _I64)
+        self._pack = native.function(library, f"{prefix}_pack", [_P, _I64, _I64, _I64, _P])
+        self._gemm = native.function(library, f"{prefix}_gemm", [_P, _I64, _I64, _I64, _P, _I64, _P, _I64, _P])
         self.addresses: dict[str, int] = {
-            qtype: ctypes.cast(native.function("quant_gemm", f"quant_gemm_{qtype.lower()}", [_P, _I64, _I64, _I64, _P, _P, _I64, _P]),
+            qtype: ctypes.cast(native.function(library, f"{prefix}_gemm_{qtype.lower()}", [_P, _I64, _I64, _I64, _P, _P, _I64, _P]),
                                ctypes.c_void_p).value
             for qtype in GGML_TYPES
         }
@@ -65,7 +65,7 @@ class QuantizedGemm:
     def pack(self, blocks: torch.Tensor, qtype: str, in_features: int) -> QuantizedWeight:
         """``blocks``: the GGUF tensor's bytes, ``[out_features, in_features / 32 * block bytes]`` uint8."""
         if qtype not in GGML_TYPES:
-            raise ValueError(f"the quantized GEMM reads {sorted(GGML_TYPES)}, not {qtype}")
+            raise ValueError(f"{self.name} reads {sorted(GGML_TYPES)}, not {qtype}")
         out_features = blocks.shape[0]
         if in_features % BLOCK_WEIGHTS or blocks.dtype != torch.uint8 or blocks.shape[1:] != (
                 in_features // BLOCK_WEIGHTS * BLOCK_BYTES[qtype],):
@@ -78,7 +78,7 @@ class QuantizedGemm:
 
     def linear(self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
         """``x [M, in] @ W.T (+ bias)`` -> ``[M, out_features]`` in float32."""
-        native.require_cpu_float32(x, "the quantized GEMM", "the input")
+        native.require_cpu_float32(x, self.name, "the input")
         if x.stride(1) != 1:
             x = x.contiguous()
         rows, in_features = x.shape
@@ -89,3 +89,17 @@ class QuantizedGemm:
         self._gemm(x.data_ptr(), rows, in_features, x.stride(0), weight.packed.data_ptr(), GGML_TYPES[weight.qtype],
                    bias_pointer, weight.out_features, out.data_ptr())
         return out
+
+
+class QuantizedGemm(BlockGemm):
+    """The float32 GEMM over GGUF blocks (``engine/csrc/quant_gemm.c``); ``max_rows``: the most rows
+    for which this build beats the skinny GEMM whose panels are ``panel_dtype``."""
+
+    name = "the quantized GEMM"
+
+    def __init__(self, panel_dtype: torch.dtype = torch.float32) -> None:
+        if panel_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"the skinny GEMM's panels are float32 or bfloat16, not {panel_dtype}")
+        build_max_rows = native.function("quant_gemm", "quant_gemm_max_rows", [], _I64)()
+        super().__init__("quant_gemm", "quant",
+                         build_max_rows if panel_dtype == torch.float32 else min(build_max_rows, MAX_ROWS_BESIDE_BF16_PANELS))

@@ -5,6 +5,8 @@ own way, and which kernel is fastest depends on how many rows the input has:
 
 * a **GGUF-quantized** copy (Q4_1 / Q8_0 blocks, :mod:`engine.quantized_gemm`) for the fewest rows,
   where a step is bound by the bytes of weight it reads;
+* an **integer** copy of the same blocks (int16 quants, :mod:`engine.integer_gemm`) for decode
+  batches above those rows, where the CPU has no bfloat16 dot products (``decode_dtype=int16``);
 * a **skinny-GEMM panel** copy (:mod:`engine.skinny_gemm`) for decode-sized batches;
 * a **oneDNN-prepacked** copy (:func:`prepack_weight`) for prompts of many rows, padded to a few
   row-count buckets (:func:`onednn_row_bucket`) so oneDNN builds few primitives. The copy is
@@ -27,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.integer_gemm import IntegerGemm
 from engine.native_layers import NativeLinear
 from engine.quantized_gemm import QuantizedGemm, QuantizedWeight
 from engine.skinny_gemm import SkinnyGemm
@@ -102,11 +105,15 @@ class WeightCopies:
     (docs/performance.md, sections 3.2, 3.3 and 7): every decode batch of the schedulers' default
     ``max_num_seqs`` (32) takes it; prompts of more rows take oneDNN. A weight with GGUF blocks
     serves inputs of at most ``QuantizedGemm.max_rows`` rows from its Q4_1 / Q8_0 blocks first
-    (:mod:`engine.quantized_gemm`). Every projection (:class:`Linear`) and the LM head has one.
+    (:mod:`engine.quantized_gemm`), and with ``decode_dtype=int16`` inputs of at most
+    ``IntegerGemm.max_rows`` rows from the integer copy of those blocks next (:mod:`engine.integer_gemm`).
+    Every projection (:class:`Linear`) and the LM head has one.
     """
 
     quantized: QuantizedWeight | None = None
     quantized_gemm: QuantizedGemm | None = None
+    integer: QuantizedWeight | None = None
+    integer_gemm: IntegerGemm | None = None
     packed: torch.Tensor | None = None
     min_rows: int = 1
     skinny: torch.Tensor | None = None
@@ -119,6 +126,8 @@ class WeightCopies:
             rows = x.shape[0]
             if self.quantized is not None and rows <= self.quantized_gemm.max_rows:
                 return self.quantized_gemm.linear(x, self.quantized, bias)
+            if self.integer is not None and rows <= self.integer_gemm.max_rows:
+                return self.integer_gemm.linear(x, self.integer, bias)
             if self.skinny is not None and rows <= self.skinny_max_rows:
                 return self.skinny_gemm.linear(x, self.skinny, bias, weight.shape[0])
             if self.packed is not None and rows >= self.min_rows:
@@ -133,7 +142,7 @@ class Linear(nn.Linear, WeightCopies):
     def native_kernels(self) -> list[NativeLinear]:
         """This linear as C functions, for callers that run whole layers in C
         (:mod:`engine.native_layers`), fewest rows first, as :meth:`forward` chooses them: its GGUF
-        blocks' quantized GEMM (when it has them), then its skinny GEMM panels. Empty when it has no
+        blocks' quantized GEMM and integer GEMM (when it has them), then its skinny GEMM panels. Empty when it has no
         skinny GEMM (the C callers then keep the Python layers)."""
         if self.skinny is None:
             return []
@@ -142,6 +151,9 @@ class Linear(nn.Linear, WeightCopies):
         if self.quantized is not None:
             kernels.append(NativeLinear(self.quantized_gemm.addresses[self.quantized.qtype], self.quantized.packed.data_ptr(),
                                         bias, self.quantized_gemm.max_rows))
+        if self.integer is not None:
+            kernels.append(NativeLinear(self.integer_gemm.addresses[self.integer.qtype], self.integer.packed.data_ptr(),
+                                        bias, self.integer_gemm.max_rows))
         kernels.append(NativeLinear(self.skinny_gemm.address, self.skinny.data_ptr(), bias, self.skinny_max_rows))
         return kernels
 

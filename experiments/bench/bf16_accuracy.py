@@ -5,7 +5,9 @@ reference) and as each variant: ``prefill_dtype=bfloat16`` (the oneDNN copies th
 more rows than the skinny GEMM in bfloat16), ``decode_dtype=bfloat16`` (the skinny GEMM's panels,
 which serve decode steps above the quantized GEMM's rows and the LM head's rows), both, both
 ``auto`` (the default of ``conf/engine/servelab.yaml``: what this CPU gets) and
-``dtype=bfloat16`` (every weight and activation in bfloat16: an upper bound). On a set of real
+``dtype=bfloat16`` (every weight and activation in bfloat16: an upper bound), and
+``decode_dtype=int16`` (the integer GEMM over the GGUF blocks, for CPUs without bfloat16 dot
+products; ``--variants`` picks which to run). On a set of real
 questions, each through the chat template, it prints per prompt the max and mean absolute logit
 difference from float32 of the first step (all prompts in one step of a few hundred rows: the
 oneDNN path) and of the next step (one decode row per prompt, fed float32's first token: the
@@ -62,17 +64,20 @@ VARIANTS = {  # name: LLM keyword arguments beside the reference's
     "prefill_dtype=decode_dtype=bfloat16": {"prefill_dtype": "bfloat16", "decode_dtype": "bfloat16"},
     "prefill_dtype=decode_dtype=auto (run.py's and serve.py's default)": {"prefill_dtype": "auto", "decode_dtype": "auto"},
     "dtype=bfloat16": {"dtype": "bfloat16"},
+    "decode_dtype=int16": {"decode_dtype": "int16"},  # the integer GEMM (CPUs without bfloat16 dot products)
 }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=32, help="greedy tokens generated per prompt")
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
+                        help="which variants to compare (the bfloat16 ones need AVX512-BF16 or AMX)")
     args = parser.parse_args()
     # one unchunked step holds every prompt whole, so each row is its prompt's last position
     common = dict(device="cpu", max_num_batched_tokens=4096, chunked_prefill=False)
     reference = LLM(dtype="float32", **common)
-    engines = {name: LLM(**{"dtype": "float32", **common, **options}) for name, options in VARIANTS.items()}
+    engines = {name: LLM(**{"dtype": "float32", **common, **options}) for name, options in VARIANTS.items() if name in args.variants}
     prompts = [encode_chat(reference.tokenizer, [{"role": "user", "content": text}]) for text in PROMPTS]
     params = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
     ref_tokens = [o.token_ids for o in reference.generate(prompts, params)]
@@ -86,7 +91,7 @@ def main() -> None:
             (reference_step - step).abs()
             for reference_step, step in zip(ref_logits, two_step_logits(llm, prompts, [t[0] for t in ref_tokens]))
         )
-        print(f"\n{name} ({llm.prefill_dtype} copies, {llm.decode_dtype} panels up to {llm.skinny_gemm_max_rows} rows) "
+        print(f"\n{name} ({llm.prefill_dtype} copies, {llm.decode_dtype} decode_dtype, skinny GEMM up to {llm.skinny_gemm_max_rows} rows) "
               "against float32 (max / mean abs logit diff):\n")
         print("| prompt | first step | decode step | next token agrees | greedy tokens equal before the first difference |")
         print("| --- | --- | --- | --- | --- |")

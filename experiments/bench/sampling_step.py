@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=60, help="decode steps per batch size, cycling through the modes")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: the engine's)")
     parser.add_argument("--prefill-dtype", default="auto", choices=["auto", "bfloat16", "float32"])
-    parser.add_argument("--decode-dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    parser.add_argument("--decode-dtype", default="auto", choices=["auto", "bfloat16", "float32", "int16"])
     args = parser.parse_args(argv)
     if args.steps < len(MODES):
         raise ValueError(f"--steps must be at least {len(MODES)} (one per mode), got {args.steps}")
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     llm = LLM(model=args.model, max_num_seqs=max(args.batch_sizes), prefill_dtype=args.prefill_dtype,
               decode_dtype=args.decode_dtype)
     print(f"prompts: {args.prompts}; steps per mode: {args.steps // len(MODES)}; {llm.prefill_dtype} oneDNN copies, "
-          f"{llm.decode_dtype} skinny GEMM panels up to {llm.skinny_gemm_max_rows} rows")
+          f"decode_dtype {llm.decode_dtype}, skinny GEMM up to {llm.skinny_gemm_max_rows} rows")
     print("| batch | mode | decode step (ms) | / greedy | in the sampler (ms) | rows widened |\n"
           "| --- | --- | --- | --- | --- | --- |")
     for batch in args.batch_sizes:

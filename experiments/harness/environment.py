@@ -87,7 +87,7 @@ def _own_options(engine: Any) -> dict[str, Any]:
         "cache_class": type(engine.cache).__name__ if hasattr(engine, "cache") else None,
         "prepacked": getattr(engine, "prepacked", None),
         "prefill_dtype": getattr(engine, "prefill_dtype", None),  # dtype of the prepacked copies (steps of many rows)
-        "decode_dtype": getattr(engine, "decode_dtype", None),  # dtype of the skinny GEMM's panels (decode-sized steps)
+        "decode_dtype": getattr(engine, "decode_dtype", None),  # arithmetic of decode-sized steps (panels dtype, or int16)
         "skinny_gemm_max_rows": getattr(engine, "skinny_gemm_max_rows", None),  # few-row GEMM path (simulator calibration)
         "skinny_gemm_tile_rows": getattr(engine, "skinny_gemm_tile_rows", None),  # its register tile (simulator calibration)
         "onednn_row_buckets": getattr(engine, "onednn_row_buckets", None),  # row padding of prepacked linears (same)

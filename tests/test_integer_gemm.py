@@ -1,0 +1,72 @@
+"""The integer GEMM over GGUF blocks (engine/integer_gemm.py): int16 activations x the blocks' integer
+weights, int32 sums per block of 32, scaled in float32.
+
+The claims: the weights it multiplies with are the float32 checkpoint's exactly (one-hot rows read
+them back bit for bit, which the power-of-two activation scale makes exact), the only rounding is
+the activations' (random inputs stay within that rounding's bound of the float64 product, for every
+row count the engine sends it, ragged output widths and a bias), and the engine routes decode
+batches above the quantized GEMM's rows to it only when asked for and where it can.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engine import LLM
+from engine.integer_gemm import IntegerGemm
+from test_quantized_weights import QTYPES, quantized
+
+
+@pytest.fixture(scope="module")
+def gemm() -> IntegerGemm:
+    return IntegerGemm()
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_one_hot_rows_read_back_the_weights_bitwise(gemm, qtype):
+    blocks, expected = quantized(50, 96, qtype, seed=1)  # 50 columns: the last 24-column panel padded
+    weight = gemm.pack(torch.from_numpy(blocks), qtype, 96)
+    assert torch.equal(gemm.linear(torch.eye(96), weight, None), expected.T)
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_random_rows_within_the_activation_rounding_bound(gemm, qtype):
+    """|error| <= sum_k (s_b / 2) |d q_k| (+ float32 summation noise), s_b the power of two that puts
+    a row's block maximum in [2^14, 2^15) and |d q_k| <= |w_k| + |m| <= |w_k| + the block's max |w|
+    (Q4_1's m, the block minimum, is added with the exact sum of x): rows 1 .. 40 (every tile
+    tail), a bias."""
+    out_features, in_features = 70, 160
+    blocks, weight = quantized(out_features, in_features, qtype, seed=2)
+    packed = gemm.pack(torch.from_numpy(blocks), qtype, in_features)
+    bias = torch.randn(out_features)
+    generator = torch.Generator().manual_seed(3)
+    for rows in range(1, 41):
+        x = torch.randn(rows, in_features, generator=generator) * torch.logspace(-2, 1, in_features)  # uneven blocks
+        got = gemm.linear(x, packed, bias).double()
+        exact = x.double() @ weight.double().T + bias.double()
+        block_max = x.abs().reshape(rows, -1, 32).amax(dim=2)
+        step = torch.exp2(torch.floor(torch.log2(block_max)) + 1 - 15).repeat_interleave(32, dim=1)  # s_b per k
+        integer_part = weight.abs() + weight.abs().reshape(out_features, -1, 32).amax(dim=2).repeat_interleave(32, dim=1)
+        bound = (step.double() / 2) @ integer_part.double().T + 1e-5 * (x.abs().double() @ weight.abs().double().T) + 1e-6
+        assert torch.all((got - exact).abs() <= bound), f"{qtype}, {rows} rows"
+
+
+def test_integer_gemm_beats_nothing_silently_on_bad_input(gemm):
+    blocks, _ = quantized(24, 64, "Q8_0", seed=4)
+    packed = gemm.pack(torch.from_numpy(blocks), "Q8_0", 64)
+    with pytest.raises(ValueError, match="input has 32 features, the weight 64"):
+        gemm.linear(torch.randn(3, 32), packed, None)
+    with pytest.raises(ValueError, match="reads"):
+        gemm.pack(torch.from_numpy(blocks), "Q5_0", 64)
+
+
+def test_int16_needs_a_gguf_checkpoint():
+    with pytest.raises(ValueError, match="decode_dtype=int16 needs prepack and quantized_weights"):
+        LLM(model="tiny", decode_dtype="int16")
+    with pytest.raises(ValueError, match="float32, bfloat16, int16 or auto"):
+        LLM(model="tiny", decode_dtype="int8")
+
+
+def test_auto_never_takes_int16_without_gguf_blocks():
+    assert LLM(model="tiny", decode_dtype="auto").decode_dtype in ("float32", "bfloat16")
