@@ -52,7 +52,7 @@ def test_random_rows_within_the_activation_rounding_bound(gemm, qtype):
         assert torch.all((got - exact).abs() <= bound), f"{qtype}, {rows} rows"
 
 
-def test_integer_gemm_beats_nothing_silently_on_bad_input(gemm):
+def test_bad_input_gets_an_error_naming_the_limit(gemm):
     blocks, _ = quantized(24, 64, "Q8_0", seed=4)
     packed = gemm.pack(torch.from_numpy(blocks), "Q8_0", 64)
     with pytest.raises(ValueError, match="input has 32 features, the weight 64"):
