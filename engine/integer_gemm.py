@@ -12,9 +12,12 @@ float32. The activations' rounding is the only change from float32: a few parts 
 block's largest value (measured on the real model's logits in docs/decisions.md, decision 20).
 
 :class:`~engine.weight_copies.Linear` uses it for inputs of more rows than the quantized GEMM
-takes and at most :attr:`IntegerGemm.max_rows` (``decode_dtype=int16``, which ``auto`` picks on
-CPUs without bfloat16 dot products and without AVX-512, where it measured faster). CPU only;
-AVX2 and FMA; compiled on first use like the other C kernels (``engine/native.py``).
+takes and at most :attr:`IntegerGemm.max_rows`: the decode batches (up to the C build's limit,
+32 rows; ``decode_dtype=int16``) and, with ``prefill_dtype=int16``, prompt steps too, up to
+:data:`PREFILL_MAX_ROWS` rows (the schedulers' token budgets fit). ``auto``
+picks both on CPUs without bfloat16 dot products and without AVX-512, where they measured
+faster (decision 20). CPU only; AVX2 and FMA; compiled on first use like the other C kernels
+(``engine/native.py``).
 """
 from __future__ import annotations
 
@@ -24,10 +27,21 @@ from engine import native
 from engine.quantized_gemm import BlockGemm
 
 
+#: With ``prefill_dtype=int16`` the integer GEMM serves steps of up to this many rows; oneDNN's
+#: float32 copies serve larger ones. One SmolLM2-135M layer's projections, Q4_1, against the
+#: float32 kernel the engine would use (2 threads, 2-core AMD EPYC with AVX2 only, 2026-12-07 09:35
+#: UTC, ``python -m experiments.bench.quantized --integer --threads 2``): 1.42-1.55x at 64-128 rows,
+#: 1.23-1.30x at 256-1024, 1.19x at 2048, 1.08x at 4096 (docs/decisions.md, decision 20).
+PREFILL_MAX_ROWS = 4096
+
+
 class IntegerGemm(BlockGemm):
-    """int16 activations x GGUF integer weights, int32 sums (see the module docstring)."""
+    """int16 activations x GGUF integer weights, int32 sums (see the module docstring).
+    ``prefill``: also serve prompt steps, up to :data:`PREFILL_MAX_ROWS` rows (else the C build's
+    decode limit)."""
 
     name = "the integer GEMM"
 
-    def __init__(self) -> None:
-        super().__init__("int_gemm", "int", native.function("int_gemm", "int_gemm_max_rows", [], ctypes.c_int64)())
+    def __init__(self, prefill: bool = False) -> None:
+        decode_max_rows = native.function("int_gemm", "int_gemm_max_rows", [], ctypes.c_int64)()
+        super().__init__("int_gemm", "int", max(decode_max_rows, PREFILL_MAX_ROWS) if prefill else decode_max_rows)

@@ -15,12 +15,14 @@ on earlier ones (:func:`apply_performance_options`): ``prepack`` gives each weig
 skinny-GEMM copies (:mod:`engine.weight_copies`); ``quantized_weights`` adds the GGUF blocks' copy;
 ``fused_ops`` swaps in the fused C kernels and, where every linear has a C kernel, runs whole
 decoder layers in C (:mod:`engine.native_layers`); ``keep_freed_memory`` tunes ``malloc``.
-``prefill_dtype`` picks the dtype of the oneDNN copies (float32, or bfloat16 where the CPU has
-bfloat16 dot products; steps of many rows, docs/decisions.md, decision 18) and ``decode_dtype``
+``prefill_dtype`` picks the arithmetic of steps of many rows: the oneDNN copies' dtype (float32,
+or bfloat16 where the CPU has bfloat16 dot products; docs/decisions.md, decision 18), or ``int16``,
+the integer GEMM for prompt steps up to its row limit too (decision 20), and ``decode_dtype``
 the arithmetic of decode-sized steps above the quantized GEMM's rows: the skinny GEMM's panels in
 float32 or bfloat16 (decision 19), or ``int16``, the integer GEMM over the GGUF blocks with
 activations rounded to int16 (:mod:`engine.integer_gemm`, decision 20; ``auto`` takes it on a
-CPU without bfloat16 dot products and without AVX-512): the two options that change what a step
+CPU without bfloat16 dot products and without AVX-512, and ``prefill_dtype=auto`` with it): the
+two options that change what a step
 computes. ``cuda_graphs`` is applied later, by the runner. What was
 applied (:class:`AppliedOptions`) is what the engine reports and every run records
 (``summary.json``'s ``environment``).
@@ -37,7 +39,7 @@ import torch
 
 from engine import host_memory
 from engine.fused_ops import FusedOps
-from engine.integer_gemm import IntegerGemm
+from engine.integer_gemm import PREFILL_MAX_ROWS, IntegerGemm
 from engine.loader import load_quantized_blocks
 from engine.model import CausalLM
 from engine.model_config import ModelConfig
@@ -63,7 +65,7 @@ class PerformanceOptions:
     fused_ops: bool | str = "auto"  # fused C kernels for add + RMSNorm, RoPE, SiLU-and-multiply (CPU float32)
     keep_freed_memory: bool | str = "auto"  # glibc malloc keeps freed activation buffers (CPU runs)
     cuda_graphs: bool = False  # replay decode-only steps as CUDA graphs (CUDA only)
-    prefill_dtype: str = "float32"  # float32 | bfloat16 | auto: dtype of the oneDNN copies (steps of many rows)
+    prefill_dtype: str = "float32"  # float32 | bfloat16 | int16 | auto: arithmetic of steps of many rows (oneDNN copies' dtype, or the integer GEMM)
     decode_dtype: str = "float32"  # float32 | bfloat16 | int16 | auto: arithmetic of decode-sized steps (skinny GEMM panels, or the integer GEMM)
 
 
@@ -80,7 +82,7 @@ class AppliedOptions:
     """What :func:`apply_performance_options` applied on this device, dtype and checkpoint."""
 
     prepacked: bool  # every linear has its oneDNN-prepacked copy
-    prefill_dtype: str  # dtype of those copies ("float32" or "bfloat16"; "float32" when not prepacked)
+    prefill_dtype: str  # arithmetic of prompt steps: the oneDNN copies' dtype ("float32" or "bfloat16"; "float32" when not prepacked), or "int16" (the integer GEMM, up to its row limit)
     decode_dtype: str  # arithmetic of decode-sized steps: the skinny GEMM's panels' dtype ("float32" or "bfloat16"), or "int16" (the integer GEMM)
     skinny_gemm_max_rows: int  # linears of at most this many rows take the skinny GEMM (0: none)
     skinny_gemm_tile_rows: int  # rows of the skinny GEMM's full register tile (0: no skinny GEMM)
@@ -141,7 +143,8 @@ def apply_performance_options(
     kept_freed_memory = _keep_freed_memory(device, options.keep_freed_memory)
     return AppliedOptions(
         prepacked=prepacked,
-        prefill_dtype=str(packed_dtype).removeprefix("torch."),
+        prefill_dtype="int16" if quantized is not None and quantized["integer_max_rows"] >= PREFILL_MAX_ROWS
+        else str(packed_dtype).removeprefix("torch."),
         decode_dtype="int16" if quantized is not None and quantized["integer_max_rows"] else str(panel_dtype).removeprefix("torch."),
         skinny_gemm_max_rows=skinny_gemm.max_rows if skinny_gemm is not None else 0,
         skinny_gemm_tile_rows=skinny_gemm.tile_rows if skinny_gemm is not None else 0,
@@ -182,15 +185,14 @@ def _prepack(
 
 def _reduced_dtype(name: str, value: str, prepacked: bool, cpu_bf16: bool, requirement: str,
                    auto_takes_bf16: bool = True) -> torch.dtype:
-    """A ``float32 | bfloat16 | auto`` dtype option (``prefill_dtype``, ``decode_dtype``) resolved:
+    """A ``float32 | bfloat16 | int16 | auto`` dtype option (``prefill_dtype``, ``decode_dtype``) resolved:
     bfloat16 needs the prepacked copies and ``cpu_bf16`` (the kernel's bfloat16 dot products,
     ``requirement``); ``auto`` takes bfloat16 where both hold and ``auto_takes_bf16`` (it is the
     faster choice there), float32 elsewhere."""
-    if name == "decode_dtype" and value == "int16":
-        return torch.float32  # the panels stay float32; the integer GEMM is _quantized_weights' to add
+    if value == "int16":
+        return torch.float32  # the copies stay float32; the integer GEMM is _quantized_weights' to add
     if value not in ("float32", "bfloat16", "auto"):
-        choices = "float32, bfloat16, int16 or auto" if name == "decode_dtype" else "float32, bfloat16 or auto"
-        raise ValueError(f"{name} must be {choices}, got {value!r}")
+        raise ValueError(f"{name} must be float32, bfloat16, int16 or auto, got {value!r}")
     bf16 = prepacked and cpu_bf16
     if value == "bfloat16" and not bf16:
         raise ValueError(f"{name}=bfloat16 needs prepack (a float32 model on a CPU with oneDNN) and {requirement} "
@@ -207,7 +209,10 @@ def _quantized_weights(
     where applied, else ``None``; ``skinny_gemm``: the one that got its panels (their dtype sets
     the rows up to which the quantized GEMM is faster). ``decode_dtype=int16`` adds the integer
     GEMM's copies (``integer_max_rows``, 0 without them); ``auto`` adds them where the skinny GEMM
-    has float32 panels of the AVX2 build (4-row tiles) and the CPU no bfloat16 dot products."""
+    has float32 panels of the AVX2 build (4-row tiles) and the CPU no bfloat16 dot products.
+    ``prefill_dtype=int16`` (or ``auto`` there, beside them) lets them serve prompt steps too, up to
+    :data:`~engine.integer_gemm.PREFILL_MAX_ROWS` rows; it needs the integer GEMM for decode
+    batches, since one copy serves every row count from the quantized GEMM's limit up."""
     quantized = options.quantized_weights
     panel_dtype = skinny_gemm.dtype if skinny_gemm is not None else torch.float32
     cpu_float32 = device.type == "cpu" and dtype == torch.float32
@@ -215,8 +220,9 @@ def _quantized_weights(
     requirement = (f"float32 on a CPU and a checkpoint converted from a GGUF file with Q4_1 / Q8_0 weights "
                    f"(got {dtype} on {device}, checkpoint {checkpoint})")
     wants_integer = options.decode_dtype == "int16"
-    if wants_integer and (not blocks or quantized is False or skinny_gemm is None):
-        raise ValueError(f"decode_dtype=int16 needs prepack and quantized_weights: {requirement} "
+    name = "decode_dtype" if wants_integer else "prefill_dtype"
+    if (wants_integer or options.prefill_dtype == "int16") and (not blocks or quantized is False or skinny_gemm is None):
+        raise ValueError(f"{name}=int16 needs prepack and quantized_weights: {requirement} "
                          f"(quantized_weights={quantized!r}, prepack applied: {skinny_gemm is not None})")
     if not option_enabled("quantized_weights", quantized, bool(blocks), requirement):
         return None
@@ -225,9 +231,15 @@ def _quantized_weights(
         return None
     integer_here = (skinny_gemm is not None and panel_dtype == torch.float32 and skinny_gemm.tile_rows == 4
                     and not onednn_bf16_supported() and not skinny_bf16_supported())
+    integer_decode = wants_integer or (options.decode_dtype == "auto" and integer_here)
+    if options.prefill_dtype == "int16" and not integer_decode:
+        raise ValueError(f"prefill_dtype=int16 needs decode_dtype int16 (or auto on a CPU that takes it): one integer "
+                         f"copy serves every step from the quantized GEMM's {gemm.max_rows} rows up to "
+                         f"{PREFILL_MAX_ROWS} (decode_dtype={options.decode_dtype!r})")
+    prefill = options.prefill_dtype == "int16" or (options.prefill_dtype == "auto" and integer_here)
     integer_gemm = None
-    if wants_integer or (options.decode_dtype == "auto" and integer_here):
-        integer_gemm = build_kernel("decode_dtype", True if wants_integer else "auto", IntegerGemm,
+    if integer_decode:
+        integer_gemm = build_kernel("decode_dtype", True if wants_integer else "auto", lambda: IntegerGemm(prefill=prefill),
                                     "decode batches use the float32 skinny GEMM")
     return {"types": model.use_quantized_weights(gemm, blocks, integer_gemm), "max_rows": gemm.max_rows,
             "integer_max_rows": integer_gemm.max_rows if integer_gemm is not None else 0}

@@ -49,9 +49,10 @@
 #define Q8_0_BYTES 34
 #define PANEL_BLOCK_BYTES (2 * NC * sizeof(float) + PAIRS * NC * 2 * sizeof(int16_t))
 
-/* Most rows the engine gives this kernel: the AVX2 skinny GEMM's limit (gemm.c), above which oneDNN
- * takes prompt-sized inputs; from 5 rows (the quantized GEMM's limit with AVX2) to 32 it measured
- * 1.2-1.4x faster than the float32 skinny GEMM (docs/decisions.md, decision 20). */
+/* Most rows of a decode batch the engine gives this kernel: the AVX2 skinny GEMM's limit (gemm.c);
+ * from 5 rows (the quantized GEMM's limit with AVX2) to 32 it measured 1.2-1.4x faster than the
+ * float32 skinny GEMM. Prompt steps up to PREFILL_MAX_ROWS (engine/integer_gemm.py) take it with
+ * prefill_dtype=int16 (docs/decisions.md, decision 20). */
 int64_t int_gemm_max_rows(void) { return 32; }
 
 static int64_t block_bytes(int64_t type) { return type == GGML_Q4_1 ? Q4_1_BYTES : type == GGML_Q8_0 ? Q8_0_BYTES : 0; }
@@ -97,10 +98,49 @@ void int_pack(const uint8_t *raw, int64_t type, int64_t n, int64_t k, uint8_t *p
         }
 }
 
-/* Rows of the register tile that starts at row `row` of m: 3, then 2, 1. */
+/* Rows of the register tile that starts at row `row` of m: 3, then 2, 1. Tiles start at multiples
+ * of 3 (only the last one is shorter). */
 static inline int64_t tile_rows(int64_t row, int64_t m) {
     const int64_t left = m - row;
     return left >= 3 ? 3 : left;
+}
+
+static inline float horizontal_max(__m256 v) {
+    __m128 r = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    r = _mm_max_ps(r, _mm_movehl_ps(r, r));
+    return _mm_cvtss_f32(_mm_max_ss(r, _mm_movehdup_ps(r)));
+}
+
+static inline float horizontal_sum(__m256 v) {
+    __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+    return _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r)));
+}
+
+/* One row's block of 32: xq = round(x / s) as 16 int32 pairs (x[2j], x[2j + 1]), s = 2^(e - 15) for
+ * max |x| = f * 2^e, f in [0.5, 1), so max |x| / s lies in [16384, 32768); the float32 sum of x.
+ * Rounding is to nearest even, as lrintf; the one value that can round up to 2^15 is clamped. */
+static void quantize_block(const float *src, int32_t pairs[PAIRS], float *scale, float *sum) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 v[4], top = _mm256_setzero_ps(), total = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+        v[i] = _mm256_loadu_ps(src + 8 * i);
+        top = _mm256_max_ps(top, _mm256_andnot_ps(sign, v[i]));
+        total = _mm256_add_ps(total, v[i]);
+    }
+    const float largest = horizontal_max(top);
+    int e = 0;
+    frexpf(largest, &e);
+    *scale = largest > 0.0f ? ldexpf(1.0f, e - 15) : 0.0f;
+    *sum = horizontal_sum(total);
+    const __m256 inverse = _mm256_set1_ps(largest > 0.0f ? ldexpf(1.0f, 15 - e) : 0.0f);
+    const __m256i low = _mm256_set1_epi16(-32767);
+    for (int i = 0; i < 4; i += 2) {
+        /* packs works within 128-bit lanes: [a0..3 b0..3 a4..7 b4..7]; the permute restores k order */
+        const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse)), b = _mm256_cvtps_epi32(_mm256_mul_ps(v[i + 1], inverse));
+        const __m256i packed = _mm256_max_epi16(_mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8), low);
+        _mm256_storeu_si256((__m256i *)(pairs + 8 * (i / 2)), packed);
+    }
 }
 
 /* x as int16, interleaved per register tile: the tile of rows [t, t + R) at xq + t * k holds, per
@@ -110,23 +150,12 @@ static void quantize_rows(const float *x, int64_t m, int64_t k, int64_t x_stride
     const int64_t blocks = k / QK;
 #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < m; ++r) {
-        int64_t t = 0;
-        while (t + tile_rows(t, m) <= r) t += tile_rows(t, m);
-        const int64_t rows = tile_rows(t, m), local = r - t;
+        const int64_t t = r / 3 * 3, rows = tile_rows(t, m), local = r - t;
         for (int64_t b = 0; b < blocks; ++b) {
-            const float *src = x + r * x_stride + b * QK;
-            int16_t *dst = xq + t * k + b * QK * rows + 2 * local;
-            float top = 0.0f, total = 0.0f;
-            for (int j = 0; j < QK; ++j) top = fmaxf(top, fabsf(src[j])), total += src[j];
-            /* s = 2^(e - 15) for top = f * 2^e, f in [0.5, 1): top / s in [16384, 32768) */
-            int e = 0;
-            frexpf(top, &e);
-            const float s = top > 0.0f ? ldexpf(1.0f, e - 15) : 0.0f, inverse = top > 0.0f ? ldexpf(1.0f, 15 - e) : 0.0f;
-            for (int j = 0; j < QK; ++j) {
-                const long value = lrintf(src[j] * inverse);
-                dst[(j / 2) * rows * 2 + (j % 2)] = (int16_t)(value > 32767 ? 32767 : value < -32767 ? -32767 : value);
-            }
-            scale[r * blocks + b] = s, sum[r * blocks + b] = total;
+            int32_t pairs[PAIRS];
+            quantize_block(x + r * x_stride + b * QK, pairs, scale + r * blocks + b, sum + r * blocks + b);
+            int32_t *dst = (int32_t *)(xq + t * k + b * QK * rows) + local;
+            for (int j = 0; j < PAIRS; ++j) memcpy(dst + j * rows, pairs + j, sizeof(int32_t));
         }
     }
 }

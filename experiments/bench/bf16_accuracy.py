@@ -7,7 +7,8 @@ which serve decode steps above the quantized GEMM's rows and the LM head's rows)
 ``auto`` (the default of ``conf/engine/servelab.yaml``: what this CPU gets) and
 ``dtype=bfloat16`` (every weight and activation in bfloat16: an upper bound), and
 ``decode_dtype=int16`` (the integer GEMM over the GGUF blocks, for CPUs without bfloat16 dot
-products; ``--variants`` picks which to run). On a set of real
+products) and ``prefill_dtype=decode_dtype=int16`` (that GEMM for the prompt step too);
+``--variants`` picks which to run. On a set of real
 questions, each through the chat template, it prints per prompt the max and mean absolute logit
 difference from float32 of the first step (all prompts in one step of a few hundred rows: the
 oneDNN path) and of the next step (one decode row per prompt, fed float32's first token: the
@@ -65,6 +66,7 @@ VARIANTS = {  # name: LLM keyword arguments beside the reference's
     "prefill_dtype=decode_dtype=auto (run.py's and serve.py's default)": {"prefill_dtype": "auto", "decode_dtype": "auto"},
     "dtype=bfloat16": {"dtype": "bfloat16"},
     "decode_dtype=int16": {"decode_dtype": "int16"},  # the integer GEMM (CPUs without bfloat16 dot products)
+    "prefill_dtype=decode_dtype=int16": {"prefill_dtype": "int16", "decode_dtype": "int16"},  # and for prompt steps
 }
 
 
@@ -91,7 +93,7 @@ def main() -> None:
             (reference_step - step).abs()
             for reference_step, step in zip(ref_logits, two_step_logits(llm, prompts, [t[0] for t in ref_tokens]))
         )
-        print(f"\n{name} ({llm.prefill_dtype} copies, {llm.decode_dtype} decode_dtype, skinny GEMM up to {llm.skinny_gemm_max_rows} rows) "
+        print(f"\n{name} ({llm.prefill_dtype} prompt steps, {llm.decode_dtype} decode_dtype, skinny GEMM up to {llm.skinny_gemm_max_rows} rows) "
               "against float32 (max / mean abs logit diff):\n")
         print("| prompt | first step | decode step | next token agrees | greedy tokens equal before the first difference |")
         print("| --- | --- | --- | --- | --- |")

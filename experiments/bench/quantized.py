@@ -8,12 +8,18 @@ per row count the two kernels alternate rep by rep, min of ``--reps`` (thread CP
 where the ratio falls below 1 is the crossover that ``quant_gemm_max_rows()`` records
 (docs/quantized_weights.md).
 
+``--integer`` times the integer GEMM (engine/integer_gemm.py, int16 activations) against the
+float32 kernels the engine would use instead at each row count (the skinny GEMM up to its rows,
+oneDNN's prepacked copy above): one layer's four projections as Q4_1, alternating rep by rep, min of
+``--reps``; the row count where it falls below 1 bounds ``PREFILL_MAX_ROWS``.
+
 ``--engine MODEL`` measures whole engine decode steps instead: two ``LLM``s on the model
 (``quantized_weights=auto`` / ``false``, everything else default) serve ``B`` requests of
 ``--prompt`` tokens alternately, round by round; medians of the decode steps'
 ``StepRecord.duration_s``.
 
     python -m experiments.bench.quantized --threads 1 --rows 1 2 4 8 12 14 16 24
+    python -m experiments.bench.quantized --integer --threads 2 --rows 8 32 128 256 512 1024 2048
     python -m experiments.bench.quantized --engine smollm2-135m-instruct --rows 1 4 8 14 16 --threads 2
 """
 from __future__ import annotations
@@ -26,25 +32,32 @@ import numpy as np
 import torch
 
 from engine import LLM, SamplingParams
+from engine.integer_gemm import IntegerGemm
 from engine.quantized_gemm import QuantizedGemm
 from engine.skinny_gemm import SkinnyGemm
+from engine.weight_copies import packed_linear, prepack_weight
 
 LAYERS = 30
 PROJECTIONS = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # SmolLM2-135M: qkv, o, gate_up, down
 HEAD = (49152, 576)
 
 
-def kernel_table(rows_list: list[int], reps: int, clock) -> None:
+def random_blocks(rng: np.random.Generator, shape: tuple[int, int], qtype: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random weight's GGUF blocks and the float32 weight they hold."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize, quantize
 
+    blocks = quantize((rng.standard_normal(shape) * 0.05).astype(np.float32), GGMLQuantizationType[qtype])
+    return torch.from_numpy(blocks), torch.from_numpy(dequantize(blocks, GGMLQuantizationType[qtype]).reshape(shape).copy())
+
+
+def kernel_table(rows_list: list[int], reps: int, clock) -> None:
     quantized, skinny = QuantizedGemm(), SkinnyGemm()
     rng = np.random.default_rng(0)
 
     def both(shape: tuple[int, int], qtype: str) -> tuple:
-        blocks = quantize((rng.standard_normal(shape) * 0.05).astype(np.float32), GGMLQuantizationType[qtype])
-        dense = torch.from_numpy(dequantize(blocks, GGMLQuantizationType[qtype]).reshape(shape).copy())
-        return quantized.pack(torch.from_numpy(blocks), qtype, shape[1]), skinny.pack(dense), shape
+        blocks, dense = random_blocks(rng, shape, qtype)
+        return quantized.pack(blocks, qtype, shape[1]), skinny.pack(dense), shape
 
     projections = [both(shape, "Q4_1") for _ in range(LAYERS) for shape in PROJECTIONS]
     head = [both(HEAD, "Q8_0")]
@@ -66,6 +79,35 @@ def kernel_table(rows_list: list[int], reps: int, clock) -> None:
                 best[name] = min(best[name], (clock() - start) * 1e3)
         print(f"| {rows} | {best['pq']:.2f} | {best['ps']:.2f} | {best['ps'] / best['pq']:.2f} "
               f"| {best['hq']:.2f} | {best['hs']:.2f} | {best['hs'] / best['hq']:.2f} |", flush=True)
+
+
+def integer_table(rows_list: list[int], reps: int, clock) -> None:
+    integer, skinny = IntegerGemm(prefill=True), SkinnyGemm()
+    rng = np.random.default_rng(0)
+    layer = []
+    for shape in PROJECTIONS:
+        blocks, dense = random_blocks(rng, shape, "Q4_1")
+        layer.append((integer.pack(blocks, "Q4_1", shape[1]), skinny.pack(dense), prepack_weight(dense), shape))
+    print(f"one layer's projections (Q4_1); the integer GEMM against float32; ms, min of {reps}")
+    print("| rows | integer GEMM | float32 kernel | float32 ms | ratio |\n|---|---|---|---|---|")
+    for rows in rows_list:
+        inputs = {k: torch.randn(rows, k) for k in (576, 1536)}
+        use_skinny = rows <= skinny.max_rows
+        calls = {
+            "integer": lambda: [integer.linear(inputs[s[1]], q, None) for q, _, _, s in layer],
+            "float32": (lambda: [skinny.linear(inputs[s[1]], f, None, s[0]) for _, f, _, s in layer]) if use_skinny
+            else (lambda: [packed_linear(inputs[s[1]], p, None) for _, _, p, s in layer]),
+        }
+        for call in calls.values():
+            call()  # oneDNN builds its primitive for this row count
+        best = dict.fromkeys(calls, float("inf"))
+        for _ in range(reps):
+            for name, call in calls.items():
+                start = clock()
+                call()
+                best[name] = min(best[name], (clock() - start) * 1e3)
+        print(f"| {rows} | {best['integer']:.3f} | {'skinny GEMM' if use_skinny else 'oneDNN'} | {best['float32']:.3f} "
+              f"| {best['float32'] / best['integer']:.2f} |", flush=True)
 
 
 def engine_table(model: str, batches: list[int], rounds: int, prompt: int, tokens: int) -> None:
@@ -91,15 +133,19 @@ def main(argv: list[str] | None = None) -> None:
                         help="rows of x (kernels) or decode batch sizes (--engine)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--reps", type=int, default=7, help="kernel repeats (min) or engine rounds (median)")
+    parser.add_argument("--integer", action="store_true", help="time the integer GEMM against the float32 kernels instead")
     parser.add_argument("--engine", metavar="MODEL", default=None, help="time engine decode steps of this model instead")
     parser.add_argument("--prompt", type=int, default=128, help="--engine: prompt tokens per request")
     parser.add_argument("--tokens", type=int, default=24, help="--engine: output tokens per request")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    if args.engine is None:
-        kernel_table(args.rows, args.reps, time.thread_time if args.threads == 1 else time.perf_counter)
-    else:
+    clock = time.thread_time if args.threads == 1 else time.perf_counter
+    if args.engine is not None:
         engine_table(args.engine, args.rows, args.reps, args.prompt, args.tokens)
+    elif args.integer:
+        integer_table(args.rows, args.reps, clock)
+    else:
+        kernel_table(args.rows, args.reps, clock)
 
 
 if __name__ == "__main__":

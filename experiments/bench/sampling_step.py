@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-len", type=int, default=128, help="tokens per prompt with --prompts random")
     parser.add_argument("--steps", type=int, default=60, help="decode steps per batch size, cycling through the modes")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: the engine's)")
-    parser.add_argument("--prefill-dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    parser.add_argument("--prefill-dtype", default="auto", choices=["auto", "bfloat16", "float32", "int16"])
     parser.add_argument("--decode-dtype", default="auto", choices=["auto", "bfloat16", "float32", "int16"])
     args = parser.parse_args(argv)
     if args.steps < len(MODES):
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     llm = LLM(model=args.model, max_num_seqs=max(args.batch_sizes), prefill_dtype=args.prefill_dtype,
               decode_dtype=args.decode_dtype)
-    print(f"prompts: {args.prompts}; steps per mode: {args.steps // len(MODES)}; {llm.prefill_dtype} oneDNN copies, "
+    print(f"prompts: {args.prompts}; steps per mode: {args.steps // len(MODES)}; {llm.prefill_dtype} prompt steps, "
           f"decode_dtype {llm.decode_dtype}, skinny GEMM up to {llm.skinny_gemm_max_rows} rows")
     print("| batch | mode | decode step (ms) | / greedy | in the sampler (ms) | rows widened |\n"
           "| --- | --- | --- | --- | --- | --- |")

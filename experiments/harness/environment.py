@@ -86,7 +86,7 @@ def _own_options(engine: Any) -> dict[str, Any]:
         "attention_backend": getattr(getattr(engine, "attention", None), "name", None),  # what attention=auto chose
         "cache_class": type(engine.cache).__name__ if hasattr(engine, "cache") else None,
         "prepacked": getattr(engine, "prepacked", None),
-        "prefill_dtype": getattr(engine, "prefill_dtype", None),  # dtype of the prepacked copies (steps of many rows)
+        "prefill_dtype": getattr(engine, "prefill_dtype", None),  # arithmetic of steps of many rows (prepacked copies dtype, or int16)
         "decode_dtype": getattr(engine, "decode_dtype", None),  # arithmetic of decode-sized steps (panels dtype, or int16)
         "skinny_gemm_max_rows": getattr(engine, "skinny_gemm_max_rows", None),  # few-row GEMM path (simulator calibration)
         "skinny_gemm_tile_rows": getattr(engine, "skinny_gemm_tile_rows", None),  # its register tile (simulator calibration)
