@@ -51,6 +51,17 @@ def random_blocks(rng: np.random.Generator, shape: tuple[int, int], qtype: str) 
     return torch.from_numpy(blocks), torch.from_numpy(dequantize(blocks, GGMLQuantizationType[qtype]).reshape(shape).copy())
 
 
+def fastest_ms(calls: dict, reps: int, clock) -> dict[str, float]:
+    """Each call's fastest time in ms over ``reps`` rounds, the calls alternating within a round."""
+    best = dict.fromkeys(calls, float("inf"))
+    for _ in range(reps):
+        for name, call in calls.items():
+            start = clock()
+            call()
+            best[name] = min(best[name], (clock() - start) * 1e3)
+    return best
+
+
 def kernel_table(rows_list: list[int], reps: int, clock) -> None:
     quantized, skinny = QuantizedGemm(), SkinnyGemm()
     rng = np.random.default_rng(0)
@@ -71,12 +82,7 @@ def kernel_table(rows_list: list[int], reps: int, clock) -> None:
             "hq": lambda: [quantized.linear(inputs[s[1]], q, None) for q, _, s in head],
             "hs": lambda: [skinny.linear(inputs[s[1]], f, None, s[0]) for _, f, s in head],
         }
-        best = dict.fromkeys(calls, float("inf"))
-        for _ in range(reps):
-            for name, call in calls.items():
-                start = clock()
-                call()
-                best[name] = min(best[name], (clock() - start) * 1e3)
+        best = fastest_ms(calls, reps, clock)
         print(f"| {rows} | {best['pq']:.2f} | {best['ps']:.2f} | {best['ps'] / best['pq']:.2f} "
               f"| {best['hq']:.2f} | {best['hs']:.2f} | {best['hs'] / best['hq']:.2f} |", flush=True)
 
@@ -100,12 +106,7 @@ def integer_table(rows_list: list[int], reps: int, clock) -> None:
         }
         for call in calls.values():
             call()  # oneDNN builds its primitive for this row count
-        best = dict.fromkeys(calls, float("inf"))
-        for _ in range(reps):
-            for name, call in calls.items():
-                start = clock()
-                call()
-                best[name] = min(best[name], (clock() - start) * 1e3)
+        best = fastest_ms(calls, reps, clock)
         print(f"| {rows} | {best['integer']:.3f} | {'skinny GEMM' if use_skinny else 'oneDNN'} | {best['float32']:.3f} "
               f"| {best['float32'] / best['integer']:.2f} |", flush=True)
 
