@@ -3,9 +3,10 @@
  *
  * Why: on a CPU with AVX2 and no AVX-512 (e.g. AMD Zen 3) a float32 FMA does 8 multiply-adds and
  * two of them issue per cycle; `vpmaddwd` multiplies 16 pairs of int16 and adds each pair into an
- * int32 lane, also two per cycle: twice the multiply-adds, so decode batches of many rows and
- * prefill chunks, which are bound by arithmetic rather than by the weights' bytes, run up to twice
- * as fast. This is llama.cpp's recipe for its quantized types (weights in integers, activations
+ * int32 lane, also two per cycle: twice the multiply-adds, less the `vpaddd` that accumulates each
+ * product (measured ~1.6x the FMA's rate, docs/decisions.md, decision 20), so decode batches of
+ * many rows and prompt steps, which are bound by arithmetic rather than by the weights' bytes, run
+ * faster. This is llama.cpp's recipe for its quantized types (weights in integers, activations
  * quantized on the fly), with 16-bit activations instead of 8-bit ones.
  *
  * Exact weights: a GGUF block of 32 weights is w = d * q (Q8_0, q in -128..127) or d * q + m (Q4_1,
@@ -26,8 +27,8 @@
  *
  * Loop order: threads split the panels (each streams its own part of the weights); per panel, a
  * chunk of rows keeps its float32 sums in L1 while the blocks go by, and every row tile of the
- * chunk reuses a block while it is in L1. A register tile is 4 rows x 24 columns: 12 int32
- * accumulators, 3 weight vectors and 1 broadcast, the 16 AVX2 registers.
+ * chunk reuses a block while it is in L1. A register tile is 3 rows x 24 columns: 9 int32
+ * accumulators, 3 weight vectors and the broadcasts, within the 16 AVX2 registers.
  */
 #include <immintrin.h>
 #include <stdlib.h>
