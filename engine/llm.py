@@ -27,6 +27,7 @@ from omegaconf import DictConfig
 from engine.config import engine_config, instantiate_strategy
 from engine.detokenizer import IncrementalDetokenizer
 from engine.device import activate, resolve_device, resolve_dtype
+from engine.filtered_draw import FilteredDraw
 from engine.gpu_memory import size_for_device
 from engine.loader import checkpoint_for_spec, load_model
 from engine.model_config import ModelConfig
@@ -105,9 +106,10 @@ class LLM:
             ``True`` requires it, ``False`` keeps the float32 weights only (like for like with a
             float32 peer). Recorded in ``self.quantized_weights`` (``None``: not used).
         fused_ops: performance option. ``"auto"`` (default) runs add + RMSNorm, RoPE and
-            SiLU-and-multiply as fused C kernels (:mod:`engine.fused_ops`, compiled on first use)
-            when running float32 on a CPU and a C compiler is found (else the eager PyTorch ops,
-            with a warning); ``True`` requires them, ``False`` keeps the eager ops. With the
+            SiLU-and-multiply as fused C kernels (:mod:`engine.fused_ops`, compiled on first use),
+            and the sampler's top-k / top-p rows as one (:mod:`engine.filtered_draw`; the same
+            tokens), when running float32 on a CPU and a C compiler is found (else the eager
+            PyTorch ops, with a warning); ``True`` requires them, ``False`` keeps the eager ops. With the
             skinny GEMM too (``prepack``), steps of at most its row limit also run each decoder
             layer as one C call of the same kernels (:mod:`engine.native_layers`) when the
             attention backend offers its kernel (``cpu_paged``).
@@ -199,7 +201,7 @@ class LLM:
         if self.performance.cuda_graphs:
             self.runner.enable_cuda_graphs(max_num_seqs=getattr(self.scheduler, "max_num_seqs", 256),
                                            max_context=min(mc.max_model_len, self.cache.max_tokens_per_seq()))
-        self.sampler = Sampler(cfg.seed)
+        self.sampler = Sampler(cfg.seed, filtered_draw=FilteredDraw() if self.performance.fused else None)
 
     def build_scheduling(self, cfg: DictConfig, allocate_kv: bool) -> None:
         """The model-independent half of the engine: cache and scheduler from ``cfg.cache`` /

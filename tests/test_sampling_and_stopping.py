@@ -6,9 +6,9 @@ Distributions: 40,000 draws from one logits row per case, compared with a chi-sq
 (temperature, then min-p, top-k, and top-p on what is left, as vLLM orders them). Each case also
 names a plausible *wrong* filter (the top-k off by one, top-p measured before top-k, min-p before
 temperature...) and asserts that the same draws reject it: the test can tell them apart. The
-draws run twice: with the default candidate set and with 4 candidates, where some cases rank
+draws run three times: with the default candidate set, with 4 candidates, where some cases rank
 their head among the candidates and others (top-p 0.7 needs more than 4 tokens) widen to the
-full sort.
+full sort, and with the C kernel (``engine.filtered_draw``).
 
 Candidates: on distributions built to stress the candidate set (flat rows whose top-p head is
 most of the vocabulary, one dominant token with top-p near 1, ties at the top-k, at the top-p cut
@@ -16,7 +16,8 @@ and at the candidates' edge, top-k above the candidate count, min-p leaving fewe
 candidates), the head ranked among candidates is the full sort's — the same ids in the same order
 with the same weights — wherever it claims to be, each row claims it at the candidate count it
 was built for (the first set, the set widened once, or only the full sort), and the sampler's
-tokens, seeded or not, equal draws from the full sort with the same uniforms.
+tokens, seeded or not, equal draws from the full sort with the same uniforms: the PyTorch
+candidates' and the C kernel's from whichever candidate threshold it starts.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ import torch
 from scipy.stats import chisquare
 
 from engine import LLM, SamplingParams
+from engine.filtered_draw import LEVELS, FilteredDraw
 from engine.sampler import RowFilters, Sampler, draw, greedy_tokens
 from engine.sampling_filters import row_mass, temperature_min_p, top_k_top_p_candidates, top_k_top_p_sorted
 
@@ -79,11 +81,18 @@ def normalized(q: np.ndarray) -> np.ndarray:
     return q / q.sum()
 
 
-def draw_counts(params: SamplingParams, candidates: int, seed: int = 1234) -> np.ndarray:
+SAMPLERS = {  # name: the sampler's keyword arguments besides its seed
+    "4 candidates": {"candidates": 4},
+    "64 candidates": {"candidates": 64},
+    "C kernel": {"filtered_draw": FilteredDraw()},
+}
+
+
+def draw_counts(params: SamplingParams, sampler: dict, seed: int = 1234) -> np.ndarray:
     """Token counts of DRAWS samples of the engine's sampler from LOGITS."""
     logits = torch.tensor(LOGITS, dtype=torch.float32).repeat(DRAWS, 1)
     rows = [SimpleNamespace(sampling_params=params, num_output_tokens=0)] * DRAWS
-    tokens = Sampler(seed, candidates=candidates)(logits, rows)
+    tokens = Sampler(seed, **sampler)(logits, rows)
     return np.bincount(tokens, minlength=LOGITS.size)
 
 
@@ -109,11 +118,11 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("candidates", [4, 64])
+@pytest.mark.parametrize("sampler", sorted(SAMPLERS))
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_sampler_matches_reference_distribution(case, candidates):
+def test_sampler_matches_reference_distribution(case, sampler):
     params, right, wrong = CASES[case]
-    counts = draw_counts(params, candidates)
+    counts = draw_counts(params, SAMPLERS[sampler])
     assert fit_pvalue(counts, reference(**right)) > 1e-3, f"{case}: draws do not fit the definition"
     assert fit_pvalue(counts, reference(**wrong)) < 1e-6, f"{case}: the test cannot tell the wrong filter apart"
 
@@ -207,15 +216,54 @@ def test_sampled_tokens_are_draws_from_the_full_sort_with_the_same_uniforms(with
         assert sampler.widened == repeat * sum(stage > 0 for stage in stages)
 
 
-def test_a_seeded_request_draws_the_same_token_in_any_batch():
+@pytest.mark.parametrize("first_level", [None, *range(LEVELS + 1)])
+def test_the_c_kernel_draws_the_full_sort_tokens_from_every_candidate_threshold(first_level):
+    """The C kernel (candidates by threshold) against the PyTorch full sort, on the stress rows
+    and forty uniforms each: the same tokens, whichever threshold a row starts from. Started from
+    the highest, the rows whose head needs more widen (the stress rows hold some at every stage)."""
+    _, rows, params, stages = zip(*stress_rows())
+    repeat = 40
+    logits = torch.stack(rows).repeat(repeat, 1)
+    seqs = [SimpleNamespace(sampling_params=dataclasses.replace(p, seed=(7 * r + i if r % 2 else None)),
+                            num_output_tokens=r)
+            for r in range(repeat) for i, p in enumerate(params)]
+    sampler = Sampler(seed=3, filtered_draw=FilteredDraw(first_level))
+    tokens = sampler(logits, seqs)
+    u = Sampler(seed=3).uniforms(seqs, logits.device)
+    ids, weights = full_sort_head(logits, [seq.sampling_params for seq in seqs])
+    assert tokens == ids.gather(-1, draw(weights, u)[:, None]).squeeze(-1).tolist()
+    if first_level == 0:
+        assert sampler.widened >= repeat * sum(stage > 0 for stage in stages)
+    if first_level == LEVELS:  # every token ranked: nothing to widen
+        assert sampler.widened == 0
+
+
+def test_the_c_kernel_names_what_it_needs():
+    probs = torch.full((2, 8), 0.125)
+    top_k, top_p = torch.tensor([8, 2]), torch.tensor([0.5, 1.0])
+    mass, u = torch.ones(2, dtype=torch.float64), torch.zeros(2, dtype=torch.float64)
+    kernel = FilteredDraw()
+    with pytest.raises(ValueError, match="float32 on the CPU"):
+        kernel(probs.double(), top_k, top_p, mass, u)
+    with pytest.raises(ValueError, match="top_p as 2 torch.float32"):
+        kernel(probs, top_k, top_p.double(), mass, u)
+    with pytest.raises(ValueError, match="u as 2 torch.float64"):
+        kernel(probs, top_k, top_p, mass, u[:1])
+    with pytest.raises(ValueError, match="first_level"):
+        FilteredDraw(LEVELS + 1)
+    assert kernel(probs, top_k, top_p, mass, u)[0].tolist() == [3, 1]  # ties rank by id: the draw's last kept
+
+
+@pytest.mark.parametrize("sampler", ["64 candidates", "C kernel"])
+def test_a_seeded_request_draws_the_same_token_in_any_batch(sampler):
     _, rows, params, _ = zip(*stress_rows())
     seeded = [dataclasses.replace(p, seed=11 + i) for i, p in enumerate(params)]
-    alone = [Sampler(candidates=STRESS_CANDIDATES)(row[None], [SimpleNamespace(sampling_params=p, num_output_tokens=5)])
+    alone = [Sampler(**SAMPLERS[sampler])(row[None], [SimpleNamespace(sampling_params=p, num_output_tokens=5)])
              for row, p in zip(rows, seeded)]
     others = [SamplingParams(), SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_p=0.5)]
     batch = [SimpleNamespace(sampling_params=p, num_output_tokens=5) for p in [*others, *seeded, *others]]
     logits = torch.stack([rows[0], rows[1], rows[2], *rows, rows[3], rows[4], rows[5]])
-    mixed = Sampler(seed=99, candidates=STRESS_CANDIDATES)(logits, batch)
+    mixed = Sampler(seed=99, **SAMPLERS[sampler])(logits, batch)
     assert mixed[len(others):len(others) + len(seeded)] == [token for [token] in alone]
 
 
