@@ -27,7 +27,6 @@ from omegaconf import DictConfig
 from engine.config import engine_config, instantiate_strategy
 from engine.detokenizer import IncrementalDetokenizer
 from engine.device import activate, resolve_device, resolve_dtype
-from engine.filtered_draw import FilteredDraw
 from engine.gpu_memory import size_for_device
 from engine.loader import checkpoint_for_spec, load_model
 from engine.model_config import ModelConfig
@@ -35,6 +34,7 @@ from engine.outputs import RequestOutput, StepRecord
 from engine.performance_options import AppliedOption, PerformanceOptions, apply_performance_options
 from engine.runner import ModelRunner
 from engine.sampler import Sampler
+from engine.sampling_kernels import SamplingKernels
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, SequenceStatus
 from engine.step_shape import StepShape
@@ -107,9 +107,8 @@ class LLM:
             float32 peer). Recorded in ``self.quantized_weights`` (``None``: not used).
         fused_ops: performance option. ``"auto"`` (default) runs add + RMSNorm, RoPE and
             SiLU-and-multiply as fused C kernels (:mod:`engine.fused_ops`, compiled on first use),
-            and the sampler's top-k / top-p rows as one (:mod:`engine.filtered_draw`; the same
-            tokens), when running float32 on a CPU and a C compiler is found (else the eager
-            PyTorch ops, with a warning); ``True`` requires them, ``False`` keeps the eager ops. With the
+            and the sampler's draws (:mod:`engine.sampling_kernels`), when running float32 on a
+            CPU and a C compiler is found (else the eager PyTorch ops, with a warning); ``True`` requires them, ``False`` keeps the eager ops. With the
             skinny GEMM too (``prepack``), steps of at most its row limit also run each decoder
             layer as one C call of the same kernels (:mod:`engine.native_layers`) when the
             attention backend offers its kernel (``cpu_paged``).
@@ -201,7 +200,7 @@ class LLM:
         if self.performance.cuda_graphs:
             self.runner.enable_cuda_graphs(max_num_seqs=getattr(self.scheduler, "max_num_seqs", 256),
                                            max_context=min(mc.max_model_len, self.cache.max_tokens_per_seq()))
-        self.sampler = Sampler(cfg.seed, filtered_draw=FilteredDraw() if self.performance.fused else None)
+        self.sampler = Sampler(cfg.seed, kernels=SamplingKernels() if self.performance.fused else None)
 
     def build_scheduling(self, cfg: DictConfig, allocate_kv: bool) -> None:
         """The model-independent half of the engine: cache and scheduler from ``cfg.cache`` /

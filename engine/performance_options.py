@@ -13,8 +13,8 @@ The options (:class:`PerformanceOptions`, the keyword arguments of :class:`engin
 ``conf/engine/servelab.yaml``) are applied to a loaded model in one order, because later ones build
 on earlier ones (:func:`apply_performance_options`): ``prepack`` gives each weight its oneDNN and
 skinny-GEMM copies (:mod:`engine.weight_copies`); ``quantized_weights`` adds the GGUF blocks' copy;
-``fused_ops`` swaps in the fused C kernels (the engine gives its sampler the top-k / top-p one,
-:mod:`engine.filtered_draw`) and, where every linear has a C kernel, runs whole
+``fused_ops`` swaps in the fused C kernels (and the sampler's draws,
+:mod:`engine.sampling_kernels`) and, where every linear has a C kernel, runs whole
 decoder layers in C (:mod:`engine.native_layers`); ``keep_freed_memory`` tunes ``malloc``.
 ``prefill_dtype`` picks the arithmetic of steps of many rows: the oneDNN copies' dtype (float32,
 or bfloat16 where the CPU has bfloat16 dot products; docs/decisions.md, decision 18), or ``int16``,
@@ -63,7 +63,7 @@ class PerformanceOptions:
 
     prepack: bool | str = "auto"  # oneDNN-prepacked and skinny-GEMM weight copies (CPU float32)
     quantized_weights: bool | str = "auto"  # decode matmuls read a GGUF checkpoint's Q4_1 / Q8_0 blocks
-    fused_ops: bool | str = "auto"  # fused C kernels for add + RMSNorm, RoPE, SiLU-and-multiply, the sampler's top-k / top-p draw (CPU float32)
+    fused_ops: bool | str = "auto"  # fused C kernels for add + RMSNorm, RoPE, SiLU-and-multiply, the sampler's draws (CPU float32)
     keep_freed_memory: bool | str = "auto"  # glibc malloc keeps freed activation buffers (CPU runs)
     cuda_graphs: bool = False  # replay decode-only steps as CUDA graphs (CUDA only)
     prefill_dtype: str = "float32"  # float32 | bfloat16 | int16 | auto: arithmetic of steps of many rows (oneDNN copies' dtype, or the integer GEMM)

@@ -11,10 +11,13 @@ A step's rows split three ways, and each pays only for what it uses:
   on, and only a row whose head still falls short once the candidates would cover the vocabulary
   is sorted in full. Real answers' heads are short (a top-p 0.9 head at temperature 0.7 is tens
   of tokens), so most rows never widen; a flat row (a model unsure of its next token) widens
-  once or twice instead of paying the full sort. On a CPU with the engine's fused ops, one C call
-  (:mod:`engine.filtered_draw`) does a float32 group's ranking and draw instead: candidates by
-  a probability threshold rather than ``topk``, the same head, sums and token, without the ~25
-  small PyTorch ops that cost more than the ranking itself at batch 1.
+  once or twice instead of paying the full sort.
+
+On a CPU with the engine's fused ops, float32 rows take one C call per group instead
+(:mod:`engine.sampling_kernels`): a plain group's softmax and draw in one pass, and a filtered
+group's ranking and draw over candidates chosen by a probability threshold rather than ``topk``
+(the same head, sums and token). Both replace chains of small PyTorch ops that cost more than
+the arithmetic at batch 1.
 
 A draw is inverse-CDF sampling: one uniform ``u`` per sampled row (float64, on the logits'
 device), and the token is the first whose cumulative weight reaches ``(1 - u)`` times the total
@@ -32,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.filtered_draw import FilteredDraw
+from engine.sampling_kernels import SamplingKernels
 from engine.sampling_filters import row_mass, temperature_min_p, top_k_top_p_candidates
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
@@ -78,17 +81,17 @@ class Sampler:
         growth: the factor by which a row's candidates widen while its head needs more; a row
             is sorted in full once they would cover the vocabulary. Neither value changes a
             token; they only move the cost.
-        filtered_draw: the C kernel that does a top-k / top-p group's ranking and draw in one
-            call (:mod:`engine.filtered_draw`; candidates by threshold, not ``candidates`` /
+        kernels: the C kernels that draw a plain or a top-k / top-p group in one call each
+            (:mod:`engine.sampling_kernels`; candidates by threshold, not ``candidates`` /
             ``growth``), for float32 logits on the CPU; ``None``, or logits elsewhere, take the
-            PyTorch ops. Both give the same token for the same logits and uniform.
+            PyTorch ops.
 
     ``widened`` counts the rows (over the sampler's life) whose head needed more than the first
     candidate set.
     """
 
     def __init__(self, seed: int = 0, candidates: int = 64, growth: int = 16,
-                 filtered_draw: FilteredDraw | None = None) -> None:
+                 kernels: SamplingKernels | None = None) -> None:
         if candidates < 1:
             raise ValueError(f"candidates must be >= 1, got {candidates}")
         if growth < 2:
@@ -96,7 +99,7 @@ class Sampler:
         self.seed = seed
         self.candidates = candidates
         self.growth = growth
-        self.filtered_draw = filtered_draw
+        self.kernels = kernels
         self.widened = 0
         self.generators: dict[torch.device, torch.Generator] = {}  # the shared one, per device
 
@@ -125,16 +128,20 @@ class Sampler:
                 tokens[rows] = pick(chosen, filters, u[torch.tensor([position[row] for row in group], device=device)])
         return tokens.tolist()
 
-    @staticmethod
-    def pick_plain(logits: torch.Tensor, filters: RowFilters, u: torch.Tensor) -> torch.Tensor:
+    def uses_kernels(self, logits: torch.Tensor) -> bool:
+        return self.kernels is not None and logits.device.type == "cpu" and logits.dtype == torch.float32
+
+    def pick_plain(self, logits: torch.Tensor, filters: RowFilters, u: torch.Tensor) -> torch.Tensor:
+        if self.uses_kernels(logits):
+            return self.kernels.plain(logits, filters.temperature, filters.min_p, u)
         return draw(temperature_min_p(logits, filters.temperature, filters.min_p), u)
 
     def pick_filtered(self, logits: torch.Tensor, filters: RowFilters, u: torch.Tensor) -> torch.Tensor:
         probs = temperature_min_p(logits, filters.temperature, filters.min_p)
         mass = row_mass(probs)
         top_k, top_p = filters.top_k, filters.top_p
-        if self.filtered_draw is not None and probs.device.type == "cpu" and probs.dtype == torch.float32:
-            tokens, widened = self.filtered_draw(probs, top_k, top_p, mass, u)
+        if self.uses_kernels(probs):
+            tokens, widened = self.kernels.filtered(probs, top_k, top_p, mass, u)
             self.widened += widened
             return tokens
         size = max(self.candidates, filters.max_top_k + 1)

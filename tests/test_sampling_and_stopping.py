@@ -8,7 +8,7 @@ names a plausible *wrong* filter (the top-k off by one, top-p measured before to
 temperature...) and asserts that the same draws reject it: the test can tell them apart. The
 draws run three times: with the default candidate set, with 4 candidates, where some cases rank
 their head among the candidates and others (top-p 0.7 needs more than 4 tokens) widen to the
-full sort, and with the C kernel (``engine.filtered_draw``).
+full sort, and with the C kernels (``engine.sampling_kernels``).
 
 Candidates: on distributions built to stress the candidate set (flat rows whose top-p head is
 most of the vocabulary, one dominant token with top-p near 1, ties at the top-k, at the top-p cut
@@ -17,7 +17,9 @@ candidates), the head ranked among candidates is the full sort's — the same id
 with the same weights — wherever it claims to be, each row claims it at the candidate count it
 was built for (the first set, the set widened once, or only the full sort), and the sampler's
 tokens, seeded or not, equal draws from the full sort with the same uniforms: the PyTorch
-candidates' and the C kernel's from whichever candidate threshold it starts.
+candidates' and the C kernel's from whichever candidate threshold it starts. The C kernel for
+plain rows draws from the same softmax with its own ``exp``: its tokens equal PyTorch's for all
+but rare uniforms, which the test bounds.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ import torch
 from scipy.stats import chisquare
 
 from engine import LLM, SamplingParams
-from engine.filtered_draw import LEVELS, FilteredDraw
+from engine.sampling_kernels import LEVELS, SamplingKernels
 from engine.sampler import RowFilters, Sampler, draw, greedy_tokens
 from engine.sampling_filters import row_mass, temperature_min_p, top_k_top_p_candidates, top_k_top_p_sorted
 
@@ -84,7 +86,7 @@ def normalized(q: np.ndarray) -> np.ndarray:
 SAMPLERS = {  # name: the sampler's keyword arguments besides its seed
     "4 candidates": {"candidates": 4},
     "64 candidates": {"candidates": 64},
-    "C kernel": {"filtered_draw": FilteredDraw()},
+    "C kernels": {"kernels": SamplingKernels()},
 }
 
 
@@ -227,7 +229,7 @@ def test_the_c_kernel_draws_the_full_sort_tokens_from_every_candidate_threshold(
     seqs = [SimpleNamespace(sampling_params=dataclasses.replace(p, seed=(7 * r + i if r % 2 else None)),
                             num_output_tokens=r)
             for r in range(repeat) for i, p in enumerate(params)]
-    sampler = Sampler(seed=3, filtered_draw=FilteredDraw(first_level))
+    sampler = Sampler(seed=3, kernels=SamplingKernels(first_level))
     tokens = sampler(logits, seqs)
     u = Sampler(seed=3).uniforms(seqs, logits.device)
     ids, weights = full_sort_head(logits, [seq.sampling_params for seq in seqs])
@@ -238,23 +240,46 @@ def test_the_c_kernel_draws_the_full_sort_tokens_from_every_candidate_threshold(
         assert sampler.widened == 0
 
 
-def test_the_c_kernel_names_what_it_needs():
+def test_the_c_plain_draw_is_the_softmax_draw_but_for_rare_uniforms():
+    """Temperatures 0.3-2 and min-p on logits of a vocabulary that is not a multiple of the
+    kernel's 64-token blocks: the same token as PyTorch's softmax and draw for 500 uniforms per
+    row but at most a few, which lie where the two float32 softmaxes round apart; never a
+    zero-weight token (min-p's, or past the row's end)."""
+    generator = torch.Generator().manual_seed(5)
+    vocab, rows = 4_133, 8
+    logits = 4.0 * torch.randn(rows, vocab, generator=generator)
+    params = [SamplingParams(temperature=t, min_p=m) for t, m in
+              [(0.5, 0.0), (1.0, 0.0), (2.0, 0.0), (0.7, 0.0), (1.0, 0.1), (1.5, 0.02), (1.0, 0.0), (0.3, 0.5)]]
+    draws = 500
+    logits, params = logits.repeat_interleave(draws, 0), [p for p in params for _ in range(draws)]
+    seqs = [SimpleNamespace(sampling_params=p, num_output_tokens=i) for i, p in enumerate(params)]
+    filters = RowFilters.of(params, vocab, logits.device)
+    u = Sampler(seed=8).uniforms(seqs, logits.device)
+    tokens = SamplingKernels().plain(logits, filters.temperature, filters.min_p, u)
+    probs = temperature_min_p(logits, filters.temperature, filters.min_p)
+    assert int((tokens != draw(probs, u)).sum()) <= 3
+    assert bool((probs.gather(-1, tokens[:, None]) > 0).all())
+    assert Sampler(seed=8, kernels=SamplingKernels())(logits, seqs) == tokens.tolist()
+
+
+def test_the_c_kernels_name_what_they_need():
     probs = torch.full((2, 8), 0.125)
     top_k, top_p = torch.tensor([8, 2]), torch.tensor([0.5, 1.0])
     mass, u = torch.ones(2, dtype=torch.float64), torch.zeros(2, dtype=torch.float64)
-    kernel = FilteredDraw()
+    kernels = SamplingKernels()
     with pytest.raises(ValueError, match="float32 on the CPU"):
-        kernel(probs.double(), top_k, top_p, mass, u)
+        kernels.filtered(probs.double(), top_k, top_p, mass, u)
     with pytest.raises(ValueError, match="top_p as 2 torch.float32"):
-        kernel(probs, top_k, top_p.double(), mass, u)
+        kernels.filtered(probs, top_k, top_p.double(), mass, u)
     with pytest.raises(ValueError, match="u as 2 torch.float64"):
-        kernel(probs, top_k, top_p, mass, u[:1])
+        kernels.plain(probs, top_p, None, u[:1])
     with pytest.raises(ValueError, match="first_level"):
-        FilteredDraw(LEVELS + 1)
-    assert kernel(probs, top_k, top_p, mass, u)[0].tolist() == [3, 1]  # ties rank by id: the draw's last kept
+        SamplingKernels(LEVELS + 1)
+    assert kernels.filtered(probs, top_k, top_p, mass, u)[0].tolist() == [3, 1]  # ties rank by id: the draw's last kept
+    assert kernels.plain(probs, top_p, None, u).tolist() == [7, 7]  # u = 0: the last token
 
 
-@pytest.mark.parametrize("sampler", ["64 candidates", "C kernel"])
+@pytest.mark.parametrize("sampler", ["64 candidates", "C kernels"])
 def test_a_seeded_request_draws_the_same_token_in_any_batch(sampler):
     _, rows, params, _ = zip(*stress_rows())
     seeded = [dataclasses.replace(p, seed=11 + i) for i, p in enumerate(params)]

@@ -16,9 +16,9 @@ which leave the model unsure (flat distributions, heads of hundreds to thousands
 filters' worst case rather than the real one.
 
 ``--prefill-dtype`` / ``--decode-dtype`` are the engine's options (default ``auto``, as
-``run.py`` and ``serve.py`` run; ``float32`` for the float32 engine). ``--filtered-draw torch``
-draws top-k / top-p rows with the PyTorch ops instead of the C kernel the engine takes with its
-fused ops (``engine.filtered_draw``; the same tokens): the A/B of that kernel.
+``run.py`` and ``serve.py`` run; ``float32`` for the float32 engine). ``--sampler torch``
+draws with the PyTorch ops instead of the C kernels the engine takes with its fused ops
+(``engine.sampling_kernels``): the A/B of those kernels.
 
     python -m experiments.bench.sampling_step --batch-sizes 1 32 --steps 60
     python -m experiments.bench.sampling_step --prefill-dtype float32 --decode-dtype float32
@@ -107,8 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: the engine's)")
     parser.add_argument("--prefill-dtype", default="auto", choices=["auto", "bfloat16", "float32", "int16"])
     parser.add_argument("--decode-dtype", default="auto", choices=["auto", "bfloat16", "float32", "int16"])
-    parser.add_argument("--filtered-draw", default="engine", choices=["engine", "torch"],
-                        help="engine: the sampler as the engine built it; torch: top-k / top-p rows by the PyTorch ops")
+    parser.add_argument("--sampler", default="engine", choices=["engine", "torch"],
+                        help="engine: the sampler as the engine built it; torch: every draw by the PyTorch ops")
     args = parser.parse_args(argv)
     if args.steps < len(MODES):
         raise ValueError(f"--steps must be at least {len(MODES)} (one per mode), got {args.steps}")
@@ -116,11 +116,11 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     llm = LLM(model=args.model, max_num_seqs=max(args.batch_sizes), prefill_dtype=args.prefill_dtype,
               decode_dtype=args.decode_dtype)
-    if args.filtered_draw == "torch":
-        llm.sampler.filtered_draw = None
+    if args.sampler == "torch":
+        llm.sampler.kernels = None
     print(f"prompts: {args.prompts}; steps per mode: {args.steps // len(MODES)}; {llm.prefill_dtype} prompt steps, "
-          f"decode_dtype {llm.decode_dtype}, skinny GEMM up to {llm.skinny_gemm_max_rows} rows; top-k / top-p rows by "
-          f"{'the C kernel' if llm.sampler.filtered_draw is not None else 'the PyTorch ops'}")
+          f"decode_dtype {llm.decode_dtype}, skinny GEMM up to {llm.skinny_gemm_max_rows} rows; draws by "
+          f"{'the C kernels' if llm.sampler.kernels is not None else 'the PyTorch ops'}")
     print("| batch | mode | decode step (ms) | / greedy | in the sampler (ms) | rows widened |\n"
           "| --- | --- | --- | --- | --- | --- |")
     for batch in args.batch_sizes:

@@ -1,11 +1,22 @@
-/* The sampler's top-k / top-p draw in one call per step (engine/filtered_draw.py): per row of
- * probabilities, the head that top-k and top-p keep and the token drawn from it by inverse CDF.
+/* The sampler's draws in one C call per step (engine/sampling_kernels.py), for float32 rows on the
+ * CPU, each by inverse CDF with one uniform per row (engine/sampler.py has the method).
  *
- * It computes what engine/sampling_filters.py's top_k_top_p_sorted followed by engine/sampler.py's
- * draw compute, bit for bit: the same ranking (probability descending, then token id ascending),
- * the same float64 sums taken in the same order, the same comparisons. Only the ranking is cheaper. The PyTorch path ranks the 64 most likely tokens
- * (torch.topk) and widens; here the candidates are every token whose probability is at least a
- * threshold t, which needs no selection, only a pass that compares:
+ * Plain rows (temperature, maybe min-p): plain_draw_f32 takes the logits and does temperature,
+ * softmax, min-p and the draw in one pass of exp over the row, plus a short second one. The
+ * row's weights e_i = exp((x_i - max x) / T) are never stored, nor normalised: per block of 64
+ * tokens it keeps their sum, finds the block where the cumulative sum reaches (1 - u) times the
+ * total, and recomputes that block's 64 weights to find the token. Its exp is common.h's, within
+ * 2 ulp of expf; the sums are float32 within a block and float64 across blocks. So the token is
+ * drawn from the softmax to float32 rounding, as the PyTorch path's is, but for a rare u it is
+ * not the same token as the PyTorch path's.
+ *
+ * Top-k / top-p rows: filtered_draw_f32 takes the probabilities PyTorch's softmax computed and
+ * returns what engine/sampling_filters.py's top_k_top_p_sorted followed by engine/sampler.py's
+ * draw return, bit for bit: the same ranking (probability descending, then token id ascending),
+ * the same float64 sums taken in the same order, the same comparisons. Only the ranking is
+ * cheaper. The PyTorch path ranks the 64 most likely tokens (torch.topk) and widens; here the
+ * candidates are every token whose probability is at least a threshold t, which needs no
+ * selection, only a pass that compares:
  *
  *   Every token outside the candidates has p < t <= every candidate's p, so in the full ranking
  *   the candidates come first, in their own ranking's order. A head that ends within the
@@ -26,7 +37,92 @@
 
 #include "common.h"
 
+#define BLOCK 64 /* tokens per block of the plain draw */
 #define LEVELS 6 /* thresholds max(p) / 8^1 ... max(p) / 8^LEVELS, then every token */
+
+/* The largest of row[0 .. n), n >= 1 (no NaN). */
+static float row_max(const float *row, int64_t n) {
+    f32x8 lanes = {0};
+    int64_t i = 0;
+    if (n >= 8) {
+        lanes = load8(row);
+        for (i = 8; i + 8 <= n; i += 8) {
+            const f32x8 x = load8(row + i);
+            lanes = select8(x > lanes, x, lanes);
+        }
+    }
+    float largest = i ? lanes[0] : row[0];
+    for (int lane = 1; lane < 8 && i; ++lane) largest = lanes[lane] > largest ? lanes[lane] : largest;
+    for (; i < n; ++i) largest = row[i] > largest ? row[i] : largest;
+    return largest;
+}
+
+/* The plain draw's weights of tokens [start, start + n), n <= BLOCK, into w: exp((x - largest) *
+ * inverse_temperature), 0 below min_p (the largest weight is exp(0) = 1). */
+static void block_weights(const float *logits, int64_t start, int64_t n, float largest, float inverse_temperature,
+                          float min_p, float w[BLOCK]) {
+    const f32x8 zero = {0};
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        const f32x8 e = exp8((load8(logits + start + j) - largest) * inverse_temperature);
+        store8(w + j, select8(e >= min_p, e, zero));
+    }
+    for (; j < n; ++j) {
+        const float e = expf((logits[start + j] - largest) * inverse_temperature);
+        w[j] = e >= min_p ? e : 0.0f;
+    }
+}
+
+static float block_sum(const float w[BLOCK], int64_t n) {
+    f32x8 lanes = {0};
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) lanes += load8(w + j);
+    float sum = sum8(lanes);
+    for (; j < n; ++j) sum += w[j];
+    return sum;
+}
+
+/* For each of `rows` rows of logits [rows, vocab] (float32, contiguous): the token drawn with
+ * temperature temperature[r] > 0 and min-p min_p[r] (min_p NULL: none) with the uniform u[r] in
+ * [0, 1), into tokens[r]: the first token whose cumulative weight reaches (1 - u) times the row's
+ * total (1 - u is in (0, 1], so a zero-weight token is never picked). */
+void plain_draw_f32(const float *logits, int64_t rows, int64_t vocab, const float *temperature, const float *min_p,
+                    const double *u, int64_t *tokens) {
+    const int64_t blocks = (vocab + BLOCK - 1) / BLOCK;
+#pragma omp parallel for schedule(static) if (rows >= 4)
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *row = logits + r * vocab;
+        const float largest = row_max(row, vocab), inverse_temperature = 1.0f / temperature[r];
+        const float floor = min_p ? min_p[r] : 0.0f;
+        float *mass = malloc((size_t)blocks * sizeof *mass), w[BLOCK];
+        if (mass == NULL) abort();
+        double total = 0.0;
+        for (int64_t b = 0; b < blocks; ++b) {
+            const int64_t n = b + 1 < blocks ? BLOCK : vocab - b * BLOCK;
+            block_weights(row, b * BLOCK, n, largest, inverse_temperature, floor, w);
+            mass[b] = block_sum(w, n);
+            total += mass[b];
+        }
+        const double goal = (1.0 - u[r]) * total;
+        /* the first block whose cumulative weight reaches the goal: the same float64 sums as the
+         * total's, so one does (the last with weight, at the latest), and before < goal */
+        double before = 0.0;
+        int64_t b = 0;
+        while (b + 1 < blocks && !(mass[b] > 0.0f && before + mass[b] >= goal)) before += mass[b++];
+        const int64_t n = b + 1 < blocks ? BLOCK : vocab - b * BLOCK;
+        block_weights(row, b * BLOCK, n, largest, inverse_temperature, floor, w);
+        int64_t pick = -1;
+        double cumulative = before;
+        for (int64_t j = 0; j < n && pick < 0; ++j) {
+            cumulative += w[j];
+            if (w[j] > 0.0f && cumulative >= goal) pick = j;
+        }
+        for (int64_t j = n - 1; pick < 0; --j)  /* the float32 block sum rounded past the goal: its last weighted token */
+            if (w[j] > 0.0f) pick = j;
+        tokens[r] = b * BLOCK + pick;
+        free(mass);
+    }
+}
 
 /* A candidate's rank key: ascending order of (~bits(p) << 32 | id) is p descending, then id
  * ascending (for p >= 0 a float's bits order like its value). */
@@ -91,15 +187,7 @@ static void collect(const float *probs, int64_t vocab, float threshold, uint64_t
 /* One row: the token drawn, in *token; returns 1 if the first candidate set was not enough. */
 static int draw_row(const float *probs, int64_t vocab, int64_t top_k, float top_p, double row_mass, double u,
                     int first_level, int64_t *token) {
-    f32x8 lanes_largest = {0};
-    int64_t i = 0;
-    for (; i + 8 <= vocab; i += 8) {
-        const f32x8 p = load8(probs + i);
-        lanes_largest = select8(p > lanes_largest, p, lanes_largest);
-    }
-    float largest = 0.0f;
-    for (int lane = 0; lane < 8; ++lane) largest = lanes_largest[lane] > largest ? lanes_largest[lane] : largest;
-    for (; i < vocab; ++i) largest = probs[i] > largest ? probs[i] : largest;
+    const float largest = row_max(probs, vocab);
     float t[LEVELS];
     int64_t counts[LEVELS];
     float masses[LEVELS];
