@@ -244,10 +244,11 @@ def test_the_c_plain_draw_is_the_softmax_draw_but_for_rare_uniforms():
     """Temperatures 0.3-2 and min-p on logits of a vocabulary that is not a multiple of the
     kernel's 64-token blocks: the same token as PyTorch's softmax and draw for 500 uniforms per
     row but at most a few, which lie where the two float32 softmaxes round apart; never a
-    zero-weight token (min-p's, or past the row's end)."""
+    zero-weight token (min-p's, a masked token's -inf logit, or past the row's end)."""
     generator = torch.Generator().manual_seed(5)
     vocab, rows = 4_133, 8
     logits = 4.0 * torch.randn(rows, vocab, generator=generator)
+    logits[:, 5::97] = float("-inf")
     params = [SamplingParams(temperature=t, min_p=m) for t, m in
               [(0.5, 0.0), (1.0, 0.0), (2.0, 0.0), (0.7, 0.0), (1.0, 0.1), (1.5, 0.02), (1.0, 0.0), (0.3, 0.5)]]
     draws = 500

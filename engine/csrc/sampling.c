@@ -42,34 +42,35 @@
 
 /* The largest of row[0 .. n), n >= 1 (no NaN). */
 static float row_max(const float *row, int64_t n) {
-    f32x8 lanes = {0};
+    float largest = row[0];
     int64_t i = 0;
     if (n >= 8) {
-        lanes = load8(row);
+        f32x8 lanes = load8(row);
         for (i = 8; i + 8 <= n; i += 8) {
             const f32x8 x = load8(row + i);
             lanes = select8(x > lanes, x, lanes);
         }
+        for (int lane = 0; lane < 8; ++lane) largest = lanes[lane] > largest ? lanes[lane] : largest;
     }
-    float largest = i ? lanes[0] : row[0];
-    for (int lane = 1; lane < 8 && i; ++lane) largest = lanes[lane] > largest ? lanes[lane] : largest;
     for (; i < n; ++i) largest = row[i] > largest ? row[i] : largest;
     return largest;
 }
 
 /* The plain draw's weights of tokens [start, start + n), n <= BLOCK, into w: exp((x - largest) *
- * inverse_temperature), 0 below min_p (the largest weight is exp(0) = 1). */
+ * inverse_temperature), 0 below min_p (the largest weight is exp(0) = 1), and 0 where the
+ * exponent is below -87, where exp8 clamps (a -inf logit, a masked token, has weight 0; the
+ * others dropped weigh < 2e-38 each, far below float32 rounding of the total). */
 static void block_weights(const float *logits, int64_t start, int64_t n, float largest, float inverse_temperature,
                           float min_p, float w[BLOCK]) {
     const f32x8 zero = {0};
     int64_t j = 0;
     for (; j + 8 <= n; j += 8) {
-        const f32x8 e = exp8((load8(logits + start + j) - largest) * inverse_temperature);
-        store8(w + j, select8(e >= min_p, e, zero));
+        const f32x8 x = (load8(logits + start + j) - largest) * inverse_temperature, e = exp8(x);
+        store8(w + j, select8((x >= -87.0f) & (e >= min_p), e, zero));
     }
     for (; j < n; ++j) {
-        const float e = expf((logits[start + j] - largest) * inverse_temperature);
-        w[j] = e >= min_p ? e : 0.0f;
+        const float x = (logits[start + j] - largest) * inverse_temperature, e = expf(x);
+        w[j] = x >= -87.0f && e >= min_p ? e : 0.0f;
     }
 }
 
