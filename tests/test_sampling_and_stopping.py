@@ -263,6 +263,16 @@ def test_the_c_plain_draw_is_the_softmax_draw_but_for_rare_uniforms():
     assert Sampler(seed=8, kernels=SamplingKernels())(logits, seqs) == tokens.tolist()
 
 
+def test_the_c_plain_draw_never_picks_a_masked_token_at_the_uniforms_end():
+    """u = 0 aims at the row's whole weight, which its float32 block sum may put a rounding past
+    the float64 cumulative sum: the draw then falls back to the block's last weighted token, which
+    must not be a -inf logit (a masked token)."""
+    masked = float("-inf")
+    logits = torch.tensor([[0.3, 2.0, 1.1, *[masked] * 7], [1.0, 2.0, *[masked] * 8]])
+    tokens = SamplingKernels().plain(logits, torch.ones(2), None, torch.zeros(2, dtype=torch.float64))
+    assert tokens.tolist() == [2, 1]
+
+
 def test_the_c_kernels_name_what_they_need():
     probs = torch.full((2, 8), 0.125)
     top_k, top_p = torch.tensor([8, 2]), torch.tensor([0.5, 1.0])
