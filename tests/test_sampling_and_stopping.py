@@ -197,25 +197,35 @@ def test_candidate_head_is_the_full_sort_head_wherever_it_claims_to_be(stage):
             assert sorted_ids[kept].tolist() == [12, 40, 700]
 
 
+STRESS_REPEAT = 40  # uniforms per stress row
+
+
+def sampled_and_full_sort_tokens(sampler: Sampler, rows: tuple[torch.Tensor, ...], params: tuple[SamplingParams, ...]
+                                 ) -> tuple[list[int], list[int]]:
+    """``sampler``'s tokens for STRESS_REPEAT copies of the rows (odd copies with their own seeds,
+    even ones on the shared generator of seed 3), and the full sort's draws with the same uniforms."""
+    logits = torch.stack(rows).repeat(STRESS_REPEAT, 1)
+    seqs = [SimpleNamespace(sampling_params=dataclasses.replace(p, seed=(7 * r + i if r % 2 else None)),
+                            num_output_tokens=r)
+            for r in range(STRESS_REPEAT) for i, p in enumerate(params)]
+    tokens = sampler(logits, seqs)
+    u = Sampler(seed=3).uniforms(seqs, logits.device)
+    ids, weights = full_sort_head(logits, [seq.sampling_params for seq in seqs])
+    return tokens, ids.gather(-1, draw(weights, u)[:, None]).squeeze(-1).tolist()
+
+
 @pytest.mark.parametrize("with_top_k", [True, False])
 def test_sampled_tokens_are_draws_from_the_full_sort_with_the_same_uniforms(with_top_k):
     """For rows with their own seed and rows on the shared generator. Without top-k rows (whose
     top_k sets the group's first candidate count), every stage runs: rows exact among the first
     candidates, after one widening, and only in the full sort."""
     _, rows, params, stages = zip(*[row for row in stress_rows() if with_top_k or row[2].top_k == 0])
-    repeat = 40
-    logits = torch.stack(rows).repeat(repeat, 1)
-    seqs = [SimpleNamespace(sampling_params=dataclasses.replace(p, seed=(7 * r + i if r % 2 else None)),
-                            num_output_tokens=r)
-            for r in range(repeat) for i, p in enumerate(params)]
     sampler = Sampler(seed=3, candidates=STRESS_CANDIDATES, growth=STRESS_GROWTH)
-    tokens = sampler(logits, seqs)
-    u = Sampler(seed=3).uniforms(seqs, logits.device)
-    ids, weights = full_sort_head(logits, [seq.sampling_params for seq in seqs])
-    assert tokens == ids.gather(-1, draw(weights, u)[:, None]).squeeze(-1).tolist()
+    tokens, full_sort_tokens = sampled_and_full_sort_tokens(sampler, rows, params)
+    assert tokens == full_sort_tokens
     if not with_top_k:
         assert {1, 2} <= set(stages)
-        assert sampler.widened == repeat * sum(stage > 0 for stage in stages)
+        assert sampler.widened == STRESS_REPEAT * sum(stage > 0 for stage in stages)
 
 
 @pytest.mark.parametrize("first_level", [None, *range(LEVELS + 1)])
@@ -224,18 +234,11 @@ def test_the_c_kernel_draws_the_full_sort_tokens_from_every_candidate_threshold(
     and forty uniforms each: the same tokens, whichever threshold a row starts from. Started from
     the highest, the rows whose head needs more widen (the stress rows hold some at every stage)."""
     _, rows, params, stages = zip(*stress_rows())
-    repeat = 40
-    logits = torch.stack(rows).repeat(repeat, 1)
-    seqs = [SimpleNamespace(sampling_params=dataclasses.replace(p, seed=(7 * r + i if r % 2 else None)),
-                            num_output_tokens=r)
-            for r in range(repeat) for i, p in enumerate(params)]
     sampler = Sampler(seed=3, kernels=SamplingKernels(first_level))
-    tokens = sampler(logits, seqs)
-    u = Sampler(seed=3).uniforms(seqs, logits.device)
-    ids, weights = full_sort_head(logits, [seq.sampling_params for seq in seqs])
-    assert tokens == ids.gather(-1, draw(weights, u)[:, None]).squeeze(-1).tolist()
+    tokens, full_sort_tokens = sampled_and_full_sort_tokens(sampler, rows, params)
+    assert tokens == full_sort_tokens
     if first_level == 0:
-        assert sampler.widened >= repeat * sum(stage > 0 for stage in stages)
+        assert sampler.widened >= STRESS_REPEAT * sum(stage > 0 for stage in stages)
     if first_level == LEVELS:  # every token ranked: nothing to widen
         assert sampler.widened == 0
 
