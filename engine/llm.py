@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from collections.abc import Sequence as SequenceOf
 from typing import Any
 
+import torch
 from omegaconf import DictConfig
 
 from engine.config import engine_config, instantiate_strategy
@@ -145,6 +146,7 @@ class LLM:
         quantized_weights: bool | str = "auto",
         prefill_dtype: str = "float32",
         decode_dtype: str = "float32",
+        kv_cache_dtype: str = "model",
         scheduler_options: dict[str, Any] | None = None,
         attention_options: dict[str, Any] | None = None,
     ) -> None:
@@ -161,13 +163,14 @@ class LLM:
         )
         self.build(cfg, PerformanceOptions(prepack=prepack, quantized_weights=quantized_weights, fused_ops=fused_ops,
                                            keep_freed_memory=keep_freed_memory, cuda_graphs=cuda_graphs,
-                                           prefill_dtype=prefill_dtype, decode_dtype=decode_dtype))
+                                           prefill_dtype=prefill_dtype, decode_dtype=decode_dtype,
+                                           kv_cache_dtype=kv_cache_dtype))
 
     @classmethod
     def from_config(
         cls, cfg: DictConfig, prepack: bool | str = "auto", cuda_graphs: bool = False, fused_ops: bool | str = "auto",
         keep_freed_memory: bool | str = "auto", quantized_weights: bool | str = "auto", prefill_dtype: str = "float32",
-        decode_dtype: str = "float32",
+        decode_dtype: str = "float32", kv_cache_dtype: str = "model",
     ) -> "LLM":
         """Build from a composed config with ``model``, ``cache``, ``scheduler``, ``attention``,
         ``device``, ``dtype`` and ``seed`` (what ``run.py`` gets from Hydra).
@@ -177,7 +180,8 @@ class LLM:
         llm = cls.__new__(cls)
         llm.build(cfg, PerformanceOptions(prepack=prepack, quantized_weights=quantized_weights, fused_ops=fused_ops,
                                           keep_freed_memory=keep_freed_memory, cuda_graphs=cuda_graphs,
-                                          prefill_dtype=prefill_dtype, decode_dtype=decode_dtype))
+                                          prefill_dtype=prefill_dtype, decode_dtype=decode_dtype,
+                                          kv_cache_dtype=kv_cache_dtype))
         return llm
 
     def build(self, cfg: DictConfig, options: PerformanceOptions) -> None:
@@ -190,12 +194,12 @@ class LLM:
         checkpoint = checkpoint_for_spec(cfg.model)
         self.model, self.model_config = load_model(checkpoint, self.dtype, self.device)
         self.tokenizer = load_tokenizer(checkpoint)  # None: the checkpoint serves token ids only
+        self.attention = instantiate_strategy(cfg.attention)
         self.performance = apply_performance_options(self.model, self.model_config, checkpoint, self.device,
-                                                     self.dtype, options)
+                                                     self.dtype, options, self.attention)
         mc: ModelConfig = self.model_config
         cfg = self.config = size_for_device(cfg, self.model, mc, self.dtype, self.device)
         self.build_scheduling(cfg, allocate_kv=True)
-        self.attention = instantiate_strategy(cfg.attention)
         self.runner = ModelRunner(self.model, self.cache, self.attention, self.device)
         if self.performance.cuda_graphs:
             self.runner.enable_cuda_graphs(max_num_seqs=getattr(self.scheduler, "max_num_seqs", 256),
@@ -212,7 +216,8 @@ class LLM:
         self.cache = instantiate_strategy(cfg.cache)
         self.cache.bind_model_limits(mc.max_model_len)
         if allocate_kv:
-            self.cache.allocate_tensors(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, self.dtype, self.device)
+            self.cache.allocate_tensors(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim,
+                                        getattr(torch, self.kv_cache_dtype), self.device)
         self.scheduler = instantiate_strategy(cfg.scheduler, cache=self.cache, max_model_len=mc.max_model_len)
         self.step_records: list[StepRecord] = []
         self.request_counter = itertools.count()
@@ -228,6 +233,7 @@ class LLM:
     prepacked = AppliedOption()
     prefill_dtype = AppliedOption()
     decode_dtype = AppliedOption()
+    kv_cache_dtype = AppliedOption()
     skinny_gemm_max_rows = AppliedOption()
     skinny_gemm_tile_rows = AppliedOption()
     onednn_row_buckets = AppliedOption()

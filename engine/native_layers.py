@@ -16,7 +16,7 @@ library, with all metadata explicit:
   own C kernels provides (function, weight, bias, most rows): the skinny GEMM, and before it the
   quantized GEMM over a GGUF checkpoint's blocks for fewer rows. Like ``Linear.forward``, a step
   of ``T`` rows gives each linear its first kernel that serves ``T`` rows;
-* **attention** through the backend's optional ``native_attention(metadata, model_config)``
+* **attention** through the backend's optional ``native_attention(metadata, model_config, kv_cache_dtype)``
   (see :class:`NativeAttention`): its kernel, the step's index tensors and, for a backend that
   plans per step (the cascade backend's groups), that plan as an opaque context every layer's
   call passes through; backends without it (the gather backends) keep the Python layer path.
@@ -150,7 +150,7 @@ class NativeLayers:
         stream before it)``, as the Python layers return them; the step's K/V are written into
         ``kv_caches`` on the way."""
         c = self.config
-        kernel: NativeAttention = attention.native_attention(metadata, c)
+        kernel: NativeAttention = attention.native_attention(metadata, c, kv_caches[0][0].dtype)
         num_tokens = hidden.shape[0]
         qkv_size = (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
         # The step's scratch, shared by all layers: normed, qkv, attention out, gate_up, activation.

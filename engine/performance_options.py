@@ -41,6 +41,7 @@ import torch
 from engine import host_memory
 from engine.fused_ops import FusedOps
 from engine.integer_gemm import PREFILL_MAX_ROWS, IntegerGemm
+from engine.interfaces.attention import AttentionBackend
 from engine.loader import load_quantized_blocks
 from engine.model import CausalLM
 from engine.model_config import ModelConfig
@@ -68,6 +69,7 @@ class PerformanceOptions:
     cuda_graphs: bool = False  # replay decode-only steps as CUDA graphs (CUDA only)
     prefill_dtype: str = "float32"  # float32 | bfloat16 | int16 | auto: arithmetic of steps of many rows (oneDNN copies' dtype, or the integer GEMM)
     decode_dtype: str = "float32"  # float32 | bfloat16 | int16 | auto: arithmetic of decode-sized steps (skinny GEMM panels, or the integer GEMM)
+    kv_cache_dtype: str = "model"  # model | bfloat16 | auto: the KV cache's dtype (model: the model's own)
 
 
 #: With bfloat16 oneDNN copies on a CPU with AMX, the skinny GEMM serves at most this many rows:
@@ -85,6 +87,7 @@ class AppliedOptions:
     prepacked: bool  # every linear has its oneDNN-prepacked copy
     prefill_dtype: str  # arithmetic of prompt steps: the oneDNN copies' dtype ("float32" or "bfloat16"; "float32" when not prepacked), or "int16" (the integer GEMM, up to its row limit)
     decode_dtype: str  # arithmetic of decode-sized steps: the skinny GEMM's panels' dtype ("float32" or "bfloat16"), or "int16" (the integer GEMM)
+    kv_cache_dtype: str  # the KV cache's dtype ("float32", "bfloat16", ...)
     skinny_gemm_max_rows: int  # linears of at most this many rows take the skinny GEMM (0: none)
     skinny_gemm_tile_rows: int  # rows of the skinny GEMM's full register tile (0: no skinny GEMM)
     onednn_row_buckets: int  # prepacked linears pad rows to this many buckets per octave (0: no padding)
@@ -133,10 +136,10 @@ def build_kernel(name: str, value: bool | str, build: Callable[[], Any], fallbac
 
 def apply_performance_options(
     model: CausalLM, model_config: ModelConfig, checkpoint: Path, device: torch.device, dtype: torch.dtype,
-    options: PerformanceOptions,
+    options: PerformanceOptions, attention: AttentionBackend,
 ) -> AppliedOptions:
-    """Apply ``options`` to ``model`` (loaded from ``checkpoint`` on ``device`` in ``dtype``), in
-    the order they build on each other, and say what was applied."""
+    """Apply ``options`` to ``model`` (loaded from ``checkpoint`` on ``device`` in ``dtype``, served
+    with ``attention``), in the order they build on each other, and say what was applied."""
     prepacked, skinny_gemm, packed_dtype = _prepack(model, device, dtype, options)
     panel_dtype = skinny_gemm.dtype if skinny_gemm is not None else torch.float32
     quantized = _quantized_weights(model, model_config, checkpoint, device, dtype, options, skinny_gemm)
@@ -147,6 +150,7 @@ def apply_performance_options(
         prefill_dtype="int16" if quantized is not None and quantized["integer_max_rows"] >= PREFILL_MAX_ROWS
         else str(packed_dtype).removeprefix("torch."),
         decode_dtype="int16" if quantized is not None and quantized["integer_max_rows"] else str(panel_dtype).removeprefix("torch."),
+        kv_cache_dtype=str(_kv_cache_dtype(options.kv_cache_dtype, device, dtype, packed_dtype, attention)).removeprefix("torch."),
         skinny_gemm_max_rows=skinny_gemm.max_rows if skinny_gemm is not None else 0,
         skinny_gemm_tile_rows=skinny_gemm.tile_rows if skinny_gemm is not None else 0,
         onednn_row_buckets=ONEDNN_BUCKETS_PER_OCTAVE if prepacked else 0,
@@ -200,6 +204,25 @@ def _reduced_dtype(name: str, value: str, prepacked: bool, cpu_bf16: bool, requi
                          f"(prepack applied: {prepacked}, bfloat16 dot products: {cpu_bf16})")
     wanted = value == "bfloat16" or (value == "auto" and auto_takes_bf16)
     return torch.bfloat16 if wanted and bf16 else torch.float32
+
+
+def _kv_cache_dtype(value: str, device: torch.device, dtype: torch.dtype, packed_dtype: torch.dtype,
+                    attention: AttentionBackend) -> torch.dtype:
+    """The KV cache's dtype: ``model`` keeps the model's; ``bfloat16`` stores K/V rounded to
+    bfloat16, half the bytes attention reads per step (a float32 model on the CPU, with an attention
+    backend that reads such a cache: ``cpu_paged``); ``auto`` takes bfloat16 there where the prompt
+    steps compute in bfloat16 already (``packed_dtype``: a CPU with bfloat16 dot products, the
+    default of ``run.py`` and ``serve.py``), the model's dtype elsewhere (docs/decisions.md, decision 21)."""
+    if value not in ("model", "bfloat16", "auto"):
+        raise ValueError(f"kv_cache_dtype must be model, bfloat16 or auto, got {value!r}")
+    readable = (device.type == "cpu" and dtype == torch.float32
+                and torch.bfloat16 in getattr(attention, "kv_cache_dtypes", ()))
+    if value == "bfloat16" and dtype != torch.bfloat16 and not readable:
+        raise ValueError(f"kv_cache_dtype=bfloat16 needs a float32 model on the CPU and an attention backend that reads "
+                         f"a bfloat16 cache (cpu_paged); got {dtype} on {device}, attention={attention.name}")
+    if value == "bfloat16" or (value == "auto" and readable and packed_dtype == torch.bfloat16):
+        return torch.bfloat16
+    return dtype
 
 
 def _quantized_weights(

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from native_builds import without_avx512
 from engine.attention_metadata import AttentionMetadata
 from engine.interfaces.attention import AttentionBackend
-from strategies.attention.cpu_paged import CpuPagedBackend
+from strategies.attention.cpu_paged import KERNEL_NAMES, CpuPagedBackend
 from strategies.attention.eager import EagerBackend
 from strategies.attention.torch_sdpa import TorchSDPABackend
 
@@ -58,8 +58,10 @@ def make_step(
     head_dim: int,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
+    cache_dtype: torch.dtype | None = None,
 ) -> Step:
-    """Random step whose sequences own shuffled (non-contiguous) blocks of a NaN-filled cache."""
+    """Random step whose sequences own shuffled (non-contiguous) blocks of a NaN-filled cache (in
+    ``cache_dtype``, default ``dtype``)."""
     gen = torch.Generator().manual_seed(seed)
     ctx = [c + q for c, q in seqs]
     num_blocks_per_seq = [math.ceil(n / block_size) for n in ctx]
@@ -76,8 +78,8 @@ def make_step(
         return tables[i][t // block_size] * block_size + t % block_size
 
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = torch.full(shape, float("nan"), dtype=dtype)
-    v_cache = torch.full(shape, float("nan"), dtype=dtype)
+    k_cache = torch.full(shape, float("nan"), dtype=cache_dtype or dtype)
+    v_cache = torch.full(shape, float("nan"), dtype=cache_dtype or dtype)
     for i, (cached, _) in enumerate(seqs):
         for t in range(cached):
             k_cache.view(-1, num_kv_heads, head_dim)[slot(i, t)] = torch.randn(num_kv_heads, head_dim, generator=gen)
@@ -183,7 +185,8 @@ def cpu_paged_builds(tmp_path) -> dict[str, CpuPagedBackend]:
     code the project's AVX2 machines run, which an AVX-512 machine would otherwise never test."""
     builds = {"native": CpuPagedBackend()}
     backend = CpuPagedBackend()
-    if without_avx512(backend, "paged_attention.c", {"_paged_attention": "paged_attention_f32"}, tmp_path) is not None:
+    entry_points = {f"_{name}": name for name in KERNEL_NAMES.values()}
+    if without_avx512(backend, "paged_attention.c", entry_points, tmp_path) is not None:
         builds["no_avx512"] = backend
     return builds
 
@@ -201,12 +204,38 @@ def test_cpu_paged_register_tiles_and_edges(tmp_path) -> None:
             check_backend(backend, step)
 
 
+def test_cpu_paged_over_a_bfloat16_cache(tmp_path) -> None:
+    """``kv_cache_dtype=bfloat16``: both builds write the new K/V rounded exactly as torch rounds
+    them (``check_backend``'s cache comparison: bit for bit, every other slot untouched, NaNs
+    included), attend within float32 tolerance of the float64 reference over those bf16 K/V, and
+    give bit for bit the float32 kernel's output over a float32 cache holding the same rounded
+    values (the arithmetic is float32 in both; only the loads widen)."""
+    shapes = [((4, 4), 16), ((14, 2), 64), ((9, 3), 80)]
+    seqs = [(255, 1), (256, 1), (600, 1), (0, 9), (250, 12), (3, 1)]
+    for name, backend in cpu_paged_builds(tmp_path).items():
+        for (num_heads, num_kv_heads), head_dim in shapes:
+            step = make_step(seqs, 16, num_heads, num_kv_heads, head_dim=head_dim, seed=head_dim, cache_dtype=torch.bfloat16)
+            check_backend(backend, step)
+            md = step.metadata
+            out16 = backend.forward(step.query, step.key, step.value, step.k_cache.clone(), step.v_cache.clone(), md, step.scale)
+            out32 = backend.forward(step.query, step.key.bfloat16().float(), step.value.bfloat16().float(),
+                                    step.k_cache.float(), step.v_cache.float(), md, step.scale)
+            assert torch.equal(out16, out32), name
+
+
 def test_cpu_paged_rejects_what_it_cannot_run() -> None:
     step = make_step(MIXED, 4, 4, 2, head_dim=16, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="float32 on the CPU"):
         check_backend(CpuPagedBackend(), step)
     step = make_step(DECODE, 4, 4, 2, head_dim=512)
     with pytest.raises(ValueError, match="head_dim <= 256"):
+        check_backend(CpuPagedBackend(), step)
+    step = make_step(DECODE, 4, 4, 2, head_dim=16, cache_dtype=torch.float16)
+    with pytest.raises(ValueError, match="reads a KV cache of float32, bfloat16; the cache is torch.float16"):
+        check_backend(CpuPagedBackend(), step)
+    step = make_step(DECODE, 4, 4, 2, head_dim=16)
+    step.v_cache = step.v_cache.bfloat16()
+    with pytest.raises(ValueError, match="both KV caches on the CPU in one dtype"):
         check_backend(CpuPagedBackend(), step)
 
 

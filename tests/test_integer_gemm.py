@@ -79,25 +79,30 @@ def test_auto_never_takes_int16_without_gguf_blocks():
 
 def test_int16_engine_runs_prompt_and_decode_steps_on_the_integer_gemm(quantized_gguf):
     """``prefill_dtype=decode_dtype=int16`` on a GGUF checkpoint: one integer copy per weight
-    serves every step from the quantized GEMM's rows up to ``PREFILL_MAX_ROWS``, so a 60-row
-    prompt step and 6-row decode steps go through it (prompt rows in the projections, one row per
-    sequence in the LM head), and the prompt step's logits stay within 0.2% of their largest
-    magnitude from the float32 engine's (the activations' rounding through every layer)."""
+    serves every step from the quantized GEMM's rows up to ``PREFILL_MAX_ROWS``, so with two
+    sequences more than the quantized GEMM serves, the 10-token prompts' step and the decode steps
+    go through it (prompt rows in the projections, one row per sequence in the LM head and in the
+    decode steps), and the prompt step's logits stay within 0.2% of their largest magnitude from
+    the float32 engine's (the activations' rounding through every layer)."""
     path, _, _ = quantized_gguf
-    fast, reference = build(path, prefill_dtype="int16", decode_dtype="int16"), build(path)
+    options = dict(capacity_tokens=1024, max_num_seqs=32)
+    fast, reference = build(path, prefill_dtype="int16", decode_dtype="int16", **options), build(path, **options)
     assert (fast.prefill_dtype, fast.decode_dtype) == ("int16", "int16")
     assert fast.quantized_weights["integer_max_rows"] == PREFILL_MAX_ROWS
     assert (reference.prefill_dtype, reference.decode_dtype) == ("float32", "float32")
     gemm = fast.model.logits_head.integer_gemm
     rows, gemm_linear = [], gemm.linear
     gemm.linear = lambda *args: rows.append(args[0].shape[0]) or gemm_linear(*args)
-    prompts = ragged_prompts(6, 6, fast.model_config.vocab_size, min_len=10, max_len=10)  # 60 rows, 6 sequences
+    # Every step through Linear.forward, where the rows are seen: steps of up to the skinny GEMM's
+    # rows (32 with AVX2, 128 with AVX-512) would otherwise run whole layers in C.
+    fast.model.use_native_layers(None)
+    count = fast.quantized_weights["max_rows"] + 2
+    prompts = ragged_prompts(6, count, fast.model_config.vocab_size, min_len=10, max_len=10)
     ours, theirs = first_step_logits((fast, reference), prompts)
-    assert 60 in rows and 6 in rows  # the projections' prompt rows, the LM head's last positions
+    assert 10 * count in rows and count in rows  # the projections' prompt rows, the LM head's last positions
     assert (ours - theirs).abs().max() <= 2e-3 * theirs.abs().max()  # measured 0.2-1.1e-3 on these models
     with pytest.raises(ValueError, match="prefill_dtype=int16 needs decode_dtype int16"):
         build(path, prefill_dtype="int16", decode_dtype="float32")
     rows.clear()
-    fast.model.use_native_layers(None)  # decode steps through Linear.forward, where the rows are seen
-    serve(fast, prompts, [5] * 6)
-    assert rows.count(6) > 5  # decode steps of 6 rows
+    serve(fast, prompts, [5] * count)
+    assert rows.count(count) > 5  # decode steps of one row per sequence

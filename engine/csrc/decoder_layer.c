@@ -24,11 +24,12 @@ typedef void (*add_rms_norm_fn)(const float *x, float *residual, const float *we
 typedef void (*rope_fn)(float *x, int64_t token_stride, int64_t num_tokens, int64_t num_heads, int64_t head_dim,
                         const int64_t *positions, const float *cos_sin);
 typedef void (*silu_and_mul_fn)(const float *gate_up, int64_t num_tokens, int64_t size, float *out);
-/* paged_attention.c: paged_attention_f32 (cascade_attention.c: cascade_decode_layer_f32): the
- * step's K/V written, then attention; `context` is the backend's per-step plan (or NULL) */
+/* paged_attention.c: paged_attention_f32 / _bf16kv (cascade_attention.c: cascade_decode_layer_f32):
+ * the step's K/V written, then attention; the caches' dtype is the kernel's (float32 or bfloat16);
+ * `context` is the backend's per-step plan (or NULL) */
 typedef int (*attention_fn)(const float *query, int64_t query_token_stride, const float *new_keys,
                             const float *new_values, int64_t new_token_stride, const int64_t *slot_mapping,
-                            int64_t num_tokens, float *k_cache, float *v_cache, const int32_t *block_tables,
+                            int64_t num_tokens, void *k_cache, void *v_cache, const int32_t *block_tables,
                             int64_t block_table_stride, const int32_t *context_lens, const int32_t *query_start_loc,
                             int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                             int64_t block_size, float scale, float *out, int64_t out_token_stride,
@@ -72,7 +73,7 @@ struct layer_step {
  * `residual` the stream before it (ignored for the first layer); on return `hidden` holds this
  * layer's MLP output and `residual` the stream before it. Returns the attention kernel's status
  * (0 = success). */
-int decoder_layer_f32(const struct layer_weights *w, const struct layer_step *s, float *k_cache, float *v_cache,
+int decoder_layer_f32(const struct layer_weights *w, const struct layer_step *s, void *k_cache, void *v_cache,
                       float *hidden, float *residual, int first_layer) {
     const int64_t t = s->num_tokens, h = s->hidden_size, d = s->head_dim;
     const int64_t q_size = s->num_heads * d, qkv_size = (s->num_heads + 2 * s->num_kv_heads) * d;

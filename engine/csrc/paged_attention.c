@@ -21,11 +21,54 @@
  * Items are independent and run in parallel on the OpenMP runtime that torch already loaded
  * (same libgomp soname), so the kernel shares torch's threads instead of starting a second pool.
  *
+ * The cache holds float32, or bfloat16 (paged_attention_bf16kv: kv_cache_dtype=bfloat16, half the
+ * bytes each step reads). A bfloat16 element is the top half of a float32, so a key or value vector
+ * is LANES halves widened and shifted into place on load (the arithmetic stays float32), and the
+ * new K/V are rounded to the nearest bfloat16 (ties to even, as torch's .to(torch.bfloat16)) on
+ * their way into the cache. One source serves both: every function that touches the cache takes
+ * `bf16` as a constant that the always-inline calls fold away, so each entry point gets its own
+ * loops with no branch per element.
+ *
  * Built and loaded by engine/native.py (cc -O3 -march=native -fopenmp).
  */
 #include <stdlib.h>
 
 #include "lanes.h"
+
+typedef uint16_t vhalf __attribute__((vector_size(LANES * 2)));
+typedef uint32_t vword __attribute__((vector_size(LANES * 4)));
+
+static inline float bf16_to_float(uint16_t half) {
+    const uint32_t word = (uint32_t)half << 16;
+    float value;
+    memcpy(&value, &word, sizeof value);
+    return value;
+}
+
+/* Round to the nearest bfloat16, ties to even; a NaN stays a (quiet) NaN: torch's rounding. */
+static inline uint16_t float_to_bf16(float value) {
+    uint32_t word;
+    memcpy(&word, &value, sizeof word);
+    if ((word & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    return (uint16_t)((word + 0x7fffu + ((word >> 16) & 1u)) >> 16);
+}
+
+/* The cache element `offset` elements into `cache` (float32, or bfloat16 when `bf16`). */
+static inline __attribute__((always_inline)) const void *kv_at(const void *cache, int64_t offset, int bf16) {
+    return (const char *)cache + offset * (bf16 ? 2 : 4);
+}
+
+/* LANES cache elements from `row` + d, as floats. */
+static inline __attribute__((always_inline)) vf kv_load(const void *row, int64_t d, int bf16) {
+    if (!bf16) return load_vf((const float *)row + d);
+    vhalf halves;
+    memcpy(&halves, (const uint16_t *)row + d, sizeof halves);
+    return (vf)(__builtin_convertvector(halves, vword) << 16);
+}
+
+static inline __attribute__((always_inline)) float kv_scalar(const void *row, int64_t d, int bf16) {
+    return bf16 ? bf16_to_float(((const uint16_t *)row)[d]) : ((const float *)row)[d];
+}
 
 #define MAX_VECTORS 64  /* query vectors per item: tokens per item * num_heads <= MAX_VECTORS */
 #define MAX_HEAD_DIM 256
@@ -54,14 +97,14 @@
  * four independent FMA chains per query), then one lane_sums per query turns 16 (8) vectors of
  * partials into one vector of scores. */
 static inline __attribute__((always_inline)) void score_keys(
-    int n, const float *q, const float *const *keys, int64_t full, int64_t head_dim, vf *out) {
+    int n, const float *q, const void *const *keys, int64_t full, int64_t head_dim, vf *out, int bf16) {
     vf partial[SHARE][LANES];
     for (int j = 0; j < LANES; j += 4) {
         vf a[SHARE][4];
         for (int s = 0; s < n; ++s) a[s][0] = a[s][1] = a[s][2] = a[s][3] = (vf){0};
         for (int64_t d = 0; d < full; d += LANES) {
-            const vf k0 = load_vf(keys[j] + d), k1 = load_vf(keys[j + 1] + d);
-            const vf k2 = load_vf(keys[j + 2] + d), k3 = load_vf(keys[j + 3] + d);
+            const vf k0 = kv_load(keys[j], d, bf16), k1 = kv_load(keys[j + 1], d, bf16);
+            const vf k2 = kv_load(keys[j + 2], d, bf16), k3 = kv_load(keys[j + 3], d, bf16);
             for (int s = 0; s < n; ++s) {
                 const vf qv = load_vf(q + s * MAX_HEAD_DIM + d);
                 a[s][0] = vfma(qv, k0, a[s][0]), a[s][1] = vfma(qv, k1, a[s][1]);
@@ -74,7 +117,8 @@ static inline __attribute__((always_inline)) void score_keys(
     for (int s = 0; s < n; ++s) {
         vf scores = lane_sums(partial[s]);
         if (full < head_dim) /* a head_dim that is not a multiple of LANES: the rest one by one */
-            for (int j = 0; j < LANES; ++j) scores[j] += dot(q + s * MAX_HEAD_DIM + full, keys[j] + full, head_dim - full);
+            for (int j = 0; j < LANES; ++j)
+                for (int64_t d = full; d < head_dim; ++d) scores[j] += q[s * MAX_HEAD_DIM + d] * kv_scalar(keys[j], d, bf16);
         out[s] = scores;
     }
 }
@@ -84,14 +128,14 @@ static inline __attribute__((always_inline)) void score_keys(
  * values[j] (offset to the KV head) from dim d on: the n x width accumulators stay in registers over all keys, and
  * each value vector is loaded once for the n queries. */
 static inline __attribute__((always_inline)) void accumulate_values(
-    int n, int width, const float *p, const float *const *values, int64_t d, int64_t count,
-    const float *correction, float *acc) {
+    int n, int width, const float *p, const void *const *values, int64_t d, int64_t count,
+    const float *correction, float *acc, int bf16) {
     vf a[SHARE][DIM_SLICE];
     for (int s = 0; s < n; ++s)
         for (int c = 0; c < width; ++c) a[s][c] = load_vf(acc + s * MAX_HEAD_DIM + c * LANES) * correction[s];
     for (int64_t j = 0; j < count; ++j) {
         vf v[DIM_SLICE];
-        for (int c = 0; c < width; ++c) v[c] = load_vf(values[j] + d + c * LANES);
+        for (int c = 0; c < width; ++c) v[c] = kv_load(values[j], d + c * LANES, bf16);
         for (int s = 0; s < n; ++s) {
             const vf weight = vbroadcast(p[s * KEY_CHUNK + j]);
             for (int c = 0; c < width; ++c) a[s][c] = vfma(weight, v[c], a[s][c]);
@@ -101,8 +145,8 @@ static inline __attribute__((always_inline)) void accumulate_values(
         for (int c = 0; c < width; ++c) memcpy(acc + s * MAX_HEAD_DIM + c * LANES, &a[s][c], sizeof(vf));
 }
 
-static inline void prefetch_row(const float *row, int64_t floats) {
-    for (int64_t line = 0; line < floats; line += 16) __builtin_prefetch(row + line);
+static inline void prefetch_row(const void *row, int64_t bytes) {
+    for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch((const char *)row + line);
 }
 
 /* One work item: query rows first_row .. first_row + num_rows - 1 of one sequence, all heads.
@@ -111,14 +155,15 @@ static inline void prefetch_row(const float *row, int64_t floats) {
  * groups of SHARE. Keys are taken in chunks of KEY_CHUNK: all scores of a chunk (tile by tile of
  * LANES keys, every KV head of a key tile while its slots are in L1), one softmax update per
  * vector (running max and sum, accumulators rescaled), then the values. */
-static void attend_item(
-    const float *query, int64_t query_token_stride, const float *k_cache, const float *v_cache,
+static inline __attribute__((always_inline)) void attend_item(
+    const float *query, int64_t query_token_stride, const void *k_cache, const void *v_cache,
     const int32_t *block_table, int64_t context_len, int64_t query_len, int64_t first_row,
     int64_t num_rows, int64_t query_start, int64_t num_heads, int64_t num_kv_heads,
-    int64_t head_dim, int64_t block_size, float scale, float *out, int64_t out_token_stride) {
+    int64_t head_dim, int64_t block_size, float scale, float *out, int64_t out_token_stride, int bf16) {
     const int64_t group = num_heads / num_kv_heads, per_kv = num_rows * group;
     const int64_t num_vectors = num_rows * num_heads;
-    const int64_t slot_stride = num_kv_heads * head_dim; /* floats between consecutive slots */
+    const int64_t slot_stride = num_kv_heads * head_dim; /* elements between consecutive slots */
+    const int64_t slot_bytes = slot_stride * (bf16 ? 2 : 4), head_bytes = head_dim * (bf16 ? 2 : 4);
     const int64_t full = head_dim / LANES * LANES;       /* dims covered by whole vectors */
     float q[MAX_VECTORS][MAX_HEAD_DIM], acc[MAX_VECTORS][MAX_HEAD_DIM];
     float scores[MAX_VECTORS][KEY_CHUNK];
@@ -129,8 +174,8 @@ static void attend_item(
     /* The first tiles' lines, before the queries are set up (later tiles: see the tile loop). */
     for (int64_t position = 0; position < PREFETCH_TILES * LANES && position < context_len; ++position) {
         const int64_t row = ((int64_t)block_table[position / block_size] * block_size + position % block_size) * slot_stride;
-        prefetch_row(k_cache + row, slot_stride);
-        prefetch_row(v_cache + row, slot_stride);
+        prefetch_row(kv_at(k_cache, row, bf16), slot_bytes);
+        prefetch_row(kv_at(v_cache, row, bf16), slot_bytes);
     }
 
     for (int64_t v = 0; v < num_vectors; ++v) {
@@ -156,15 +201,15 @@ static void attend_item(
                  * for its K and V lines PREFETCH_TILES tiles ahead, so the requests trickle out. */
                 for (int64_t position = tile_start + PREFETCH_TILES * LANES; position < tile_start + (PREFETCH_TILES + 1) * LANES && position < keys; ++position) {
                     const int64_t row = ((int64_t)block_table[position / block_size] * block_size + position % block_size) * slot_stride + h * head_dim;
-                    prefetch_row(k_cache + row, head_dim);
-                    prefetch_row(v_cache + row, head_dim);
+                    prefetch_row(kv_at(k_cache, row, bf16), head_bytes);
+                    prefetch_row(kv_at(v_cache, row, bf16), head_bytes);
                 }
-                const float *key_rows[LANES];
-                for (int j = 0; j < LANES; ++j) key_rows[j] = k_cache + rows[first + j] + h * head_dim;
+                const void *key_rows[LANES];
+                for (int j = 0; j < LANES; ++j) key_rows[j] = kv_at(k_cache, rows[first + j] + h * head_dim, bf16);
                 for (int64_t v0 = h * per_kv; v0 < (h + 1) * per_kv; v0 += SHARE) {
                     const int n = (h + 1) * per_kv - v0 < SHARE ? (int)((h + 1) * per_kv - v0) : SHARE;
                     vf tile_scores[SHARE];
-#define SCORE(N) score_keys(N, q[v0], key_rows, full, head_dim, tile_scores)
+#define SCORE(N) score_keys(N, q[v0], key_rows, full, head_dim, tile_scores, bf16)
                     WITH_SHARE(n, SCORE)
 #undef SCORE
                     for (int s = 0; s < n; ++s) { /* causal and chunk-end mask: -inf */
@@ -196,12 +241,12 @@ static void attend_item(
             running_max[v] = new_max;
         }
         for (int64_t h = 0; h < num_kv_heads; ++h) {
-            const float *value_rows[KEY_CHUNK];
-            for (int64_t j = 0; j < chunk_len; ++j) value_rows[j] = v_cache + rows[j] + h * head_dim;
+            const void *value_rows[KEY_CHUNK];
+            for (int64_t j = 0; j < chunk_len; ++j) value_rows[j] = kv_at(v_cache, rows[j] + h * head_dim, bf16);
             for (int64_t v0 = h * per_kv; v0 < (h + 1) * per_kv; v0 += SHARE) {
                 const int n = (h + 1) * per_kv - v0 < SHARE ? (int)((h + 1) * per_kv - v0) : SHARE;
                 int64_t d = 0;
-#define VALUES(N) accumulate_values(N, width, scores[v0], value_rows, d, chunk_len, correction + v0, acc[v0] + d)
+#define VALUES(N) accumulate_values(N, width, scores[v0], value_rows, d, chunk_len, correction + v0, acc[v0] + d, bf16)
                 for (; d + DIM_SLICE * LANES <= full; d += DIM_SLICE * LANES) {
                     const int width = DIM_SLICE;
                     WITH_SHARE(n, VALUES)
@@ -214,7 +259,7 @@ static void attend_item(
                 for (int s = 0; s < n; ++s) /* the rest of a head_dim that is not a multiple of LANES */
                     for (int64_t dim = full; dim < head_dim; ++dim) {
                         float sum = acc[v0 + s][dim] * correction[v0 + s];
-                        for (int64_t j = 0; j < chunk_len; ++j) sum += scores[v0 + s][j] * value_rows[j][dim];
+                        for (int64_t j = 0; j < chunk_len; ++j) sum += scores[v0 + s][j] * kv_scalar(value_rows[j], dim, bf16);
                         acc[v0 + s][dim] = sum;
                     }
             }
@@ -229,23 +274,29 @@ static void attend_item(
 }
 
 /* Writes the new K/V (rows of num_kv_heads * head_dim floats, `new_token_stride` apart) into the
- * caches at `slot_mapping`, then attends: each query row to its sequence's keys up to its causal
- * end. Returns 0 on success, 1 if head_dim or
- * num_heads exceeds the kernel's fixed buffers, 2 if the work list could not be allocated. */
-int paged_attention_f32(
+ * caches at `slot_mapping` (rounded to bfloat16 when `bf16`), then attends: each query row to its
+ * sequence's keys up to its causal end. Returns 0 on success, 1 if head_dim or num_heads exceeds
+ * the kernel's fixed buffers, 2 if the work list could not be allocated. */
+static inline __attribute__((always_inline)) int paged_attention(
     const float *query, int64_t query_token_stride, const float *new_keys, const float *new_values,
-    int64_t new_token_stride, const int64_t *slot_mapping, int64_t num_tokens, float *k_cache,
-    float *v_cache, const int32_t *block_tables, int64_t block_table_stride,
+    int64_t new_token_stride, const int64_t *slot_mapping, int64_t num_tokens, void *k_cache,
+    void *v_cache, const int32_t *block_tables, int64_t block_table_stride,
     const int32_t *context_lens, const int32_t *query_start_loc, int64_t num_seqs,
     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
-    float *out, int64_t out_token_stride, const void *context) {
-    (void)context; /* decoder_layer.c's attention signature: a per-step plan this kernel does not need */
+    float *out, int64_t out_token_stride, int bf16) {
     if (head_dim > MAX_HEAD_DIM || num_heads > MAX_VECTORS || num_heads % num_kv_heads != 0) return 1;
     const int64_t slot_floats = num_kv_heads * head_dim;
 #pragma omp parallel for if (num_tokens >= 256)
     for (int64_t t = 0; t < num_tokens; ++t) {
-        memcpy(k_cache + slot_mapping[t] * slot_floats, new_keys + t * new_token_stride, sizeof(float) * slot_floats);
-        memcpy(v_cache + slot_mapping[t] * slot_floats, new_values + t * new_token_stride, sizeof(float) * slot_floats);
+        const float *key = new_keys + t * new_token_stride, *value = new_values + t * new_token_stride;
+        if (bf16) {
+            uint16_t *k_slot = (uint16_t *)k_cache + slot_mapping[t] * slot_floats;
+            uint16_t *v_slot = (uint16_t *)v_cache + slot_mapping[t] * slot_floats;
+            for (int64_t i = 0; i < slot_floats; ++i) k_slot[i] = float_to_bf16(key[i]), v_slot[i] = float_to_bf16(value[i]);
+        } else {
+            memcpy((float *)k_cache + slot_mapping[t] * slot_floats, key, sizeof(float) * slot_floats);
+            memcpy((float *)v_cache + slot_mapping[t] * slot_floats, value, sizeof(float) * slot_floats);
+        }
     }
     const int64_t rows_per_item = MAX_VECTORS / num_heads;
     /* item_starts[b] = first work item of sequence b (one item per chunk of its query rows) */
@@ -269,11 +320,40 @@ int paged_attention_f32(
         const int64_t query_len = query_start_loc[b + 1] - query_start_loc[b];
         const int64_t first_row = chunk * rows_per_item;
         const int64_t num_rows = query_len - first_row < rows_per_item ? query_len - first_row : rows_per_item;
-        attend_item(query, query_token_stride, k_cache, v_cache, block_tables + b * block_table_stride,
-                    context_lens[b], query_len, first_row, num_rows,
-                    query_start_loc[b], num_heads, num_kv_heads, head_dim, block_size, scale, out,
-                    out_token_stride);
+#define ATTEND(BF16) attend_item(query, query_token_stride, k_cache, v_cache, block_tables + b * block_table_stride, \
+                               context_lens[b], query_len, first_row, num_rows, query_start_loc[b], num_heads,  \
+                               num_kv_heads, head_dim, block_size, scale, out, out_token_stride, BF16)
+        if (bf16) ATTEND(1); else ATTEND(0); /* each call specialised for its cache dtype */
+#undef ATTEND
     }
     free(item_starts);
     return 0;
+}
+
+/* decoder_layer.c's attention signature; `context` is a per-step plan this kernel does not need. */
+int paged_attention_f32(
+    const float *query, int64_t query_token_stride, const float *new_keys, const float *new_values,
+    int64_t new_token_stride, const int64_t *slot_mapping, int64_t num_tokens, void *k_cache,
+    void *v_cache, const int32_t *block_tables, int64_t block_table_stride,
+    const int32_t *context_lens, const int32_t *query_start_loc, int64_t num_seqs,
+    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+    float *out, int64_t out_token_stride, const void *context) {
+    (void)context;
+    return paged_attention(query, query_token_stride, new_keys, new_values, new_token_stride, slot_mapping, num_tokens,
+                           k_cache, v_cache, block_tables, block_table_stride, context_lens, query_start_loc, num_seqs,
+                           num_heads, num_kv_heads, head_dim, block_size, scale, out, out_token_stride, 0);
+}
+
+/* The same over a bfloat16 cache (kv_cache_dtype=bfloat16). */
+int paged_attention_bf16kv(
+    const float *query, int64_t query_token_stride, const float *new_keys, const float *new_values,
+    int64_t new_token_stride, const int64_t *slot_mapping, int64_t num_tokens, void *k_cache,
+    void *v_cache, const int32_t *block_tables, int64_t block_table_stride,
+    const int32_t *context_lens, const int32_t *query_start_loc, int64_t num_seqs,
+    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+    float *out, int64_t out_token_stride, const void *context) {
+    (void)context;
+    return paged_attention(query, query_token_stride, new_keys, new_values, new_token_stride, slot_mapping, num_tokens,
+                           k_cache, v_cache, block_tables, block_table_stride, context_lens, query_start_loc, num_seqs,
+                           num_heads, num_kv_heads, head_dim, block_size, scale, out, out_token_stride, 1);
 }

@@ -31,7 +31,7 @@ class AttentionBackend(Protocol):
     context, the mask hiding pairs without skipping them).
 
     Optional: a backend whose work is one C kernel may offer ``native_attention(metadata,
-    model_config)`` -> :class:`engine.native_layers.NativeAttention`, so that decoder layers can
+    model_config, kv_cache_dtype)`` -> :class:`engine.native_layers.NativeAttention`, so that decoder layers can
     run in one C call each (``cpu_paged`` and ``cpu_paged_cascade`` do); without it every step
     takes the Python layer path.
     """

@@ -20,6 +20,12 @@ Float32 on CPU only (the kernel's arithmetic is float32, like SDPA's CPU kernel 
 the kernel is compiled with the machine's C compiler on first use (``engine/native.py``). The
 new tokens' K/V are written into their slots by the same call (vLLM's ``reshape_and_cache``). Results
 differ from SDPA only by float32 summation order (~1e-7 relative).
+
+The cache may also hold bfloat16 (``kv_cache_dtype=bfloat16``, vLLM's ``kv_cache_dtype``): the
+same kernel, compiled a second time for 2-byte elements, reads half the bytes per step (in a decode
+step of many sequences, reading the context is most of attention's time) and widens each K/V
+vector to float32 on load; the new K/V are rounded to bfloat16 as they are written. Attention over
+that cache equals this kernel's float32 result over the bf16-rounded K/V.
 """
 from __future__ import annotations
 
@@ -36,9 +42,9 @@ _MAX_HEAD_DIM = 256  # csrc/paged_attention.c: MAX_HEAD_DIM
 _MAX_HEADS = 64  # csrc/paged_attention.c: MAX_VECTORS (query vectors of one work item)
 
 
-def _kernel():
+def _kernel(name: str):
     pointer, i64 = ctypes.c_void_p, ctypes.c_int64
-    return native.function("paged_attention", "paged_attention_f32", [
+    return native.function("paged_attention", name, [
         pointer, i64, pointer, pointer, i64,  # query, its token stride, new keys, new values, their token stride
         pointer, i64, pointer, pointer,  # slot_mapping, num_tokens, k_cache, v_cache
         pointer, i64, pointer, pointer,  # block_tables, its row stride, context_lens, query_start_loc
@@ -65,14 +71,26 @@ def _kernel_ints(metadata: AttentionMetadata) -> tuple[torch.Tensor, ...]:
     )
 
 
+#: the kernel's entry point per cache dtype (the backend holds each as the attribute ``_<name>``)
+KERNEL_NAMES = {torch.float32: "paged_attention_f32", torch.bfloat16: "paged_attention_bf16kv"}
+
+
 class CpuPagedBackend:
-    """Fused paged attention for CPU float32 (C kernel, OpenMP over sequences x KV heads)."""
+    """Fused paged attention for CPU float32 (C kernel, OpenMP over sequences x KV heads), over a
+    float32 or bfloat16 KV cache."""
 
     name = "cpu_paged"
     attention_pairs = "causal"  # each query row reads its own context only
+    kv_cache_dtypes = tuple(KERNEL_NAMES)  # the cache dtypes its kernels read
 
     def __init__(self) -> None:
-        self._paged_attention = _kernel()  # builds it now: a missing compiler fails at startup
+        for name in KERNEL_NAMES.values():  # built now: a missing compiler fails at startup
+            setattr(self, f"_{name}", _kernel(name))
+
+    def kernel(self, kv_cache_dtype: torch.dtype):
+        """The C function over a ``kv_cache_dtype`` cache."""
+        self.require_kv_cache_dtype(kv_cache_dtype)
+        return getattr(self, f"_{KERNEL_NAMES[kv_cache_dtype]}")
 
     def forward(
         self,
@@ -93,7 +111,7 @@ class CpuPagedBackend:
             "cpu_paged.ints", lambda: _kernel_ints(metadata)
         )
         out = torch.empty(num_tokens, num_heads, head_dim, dtype=query.dtype)
-        status = self._paged_attention(
+        status = self.kernel(k_cache.dtype)(
             query.data_ptr(), query.stride(0), key.data_ptr(), value.data_ptr(), key.stride(0),
             slot_mapping.data_ptr(), num_tokens, k_cache.data_ptr(), v_cache.data_ptr(),
             block_tables.data_ptr(), block_tables.stride(0), context_lens.data_ptr(), query_start_loc.data_ptr(),
@@ -104,11 +122,19 @@ class CpuPagedBackend:
             raise RuntimeError(f"{self.name} kernel failed with status {status}")
         return out
 
-    def native_attention(self, metadata: AttentionMetadata, model_config: ModelConfig) -> NativeAttention:
-        """The kernel and this step's index tensors for callers that run whole layers in C
-        (:mod:`engine.native_layers`): the same call as :meth:`forward` makes."""
+    def native_attention(self, metadata: AttentionMetadata, model_config: ModelConfig,
+                         kv_cache_dtype: torch.dtype) -> NativeAttention:
+        """The kernel for a ``kv_cache_dtype`` cache and this step's index tensors for callers that
+        run whole layers in C (:mod:`engine.native_layers`): the same call as :meth:`forward` makes."""
+        kernel = self.kernel(kv_cache_dtype)
         ints = metadata.cached("cpu_paged.ints", lambda: _kernel_ints(metadata))
-        return NativeAttention(ctypes.cast(self._paged_attention, ctypes.c_void_p).value, *ints)
+        return NativeAttention(ctypes.cast(kernel, ctypes.c_void_p).value, *ints)
+
+    def require_kv_cache_dtype(self, dtype: torch.dtype) -> None:
+        """Raise ``ValueError`` unless this backend's kernels read a ``dtype`` cache."""
+        if dtype not in self.kv_cache_dtypes:
+            readable = ", ".join(str(d).removeprefix("torch.") for d in self.kv_cache_dtypes)
+            raise ValueError(f"attention={self.name} reads a KV cache of {readable}; the cache is {dtype}")
 
     def checked_inputs(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
@@ -117,7 +143,10 @@ class CpuPagedBackend:
         rows the same stride apart), after checking dtype, device, sizes and the caches' layout."""
         hint = " (use torch_sdpa, or triton_paged on CUDA)"
         native.require_cpu_float32(query, f"attention={self.name}", "the query", hint)
-        native.require_cpu_float32(k_cache, f"attention={self.name}", "the KV cache", hint)
+        if k_cache.device.type != "cpu" or v_cache.dtype != k_cache.dtype:
+            raise ValueError(f"attention={self.name} needs both KV caches on the CPU in one dtype; got {k_cache.dtype} "
+                             f"on {k_cache.device} and {v_cache.dtype}{hint}")
+        self.require_kv_cache_dtype(k_cache.dtype)
         num_heads, head_dim = query.shape[1:]
         if head_dim > _MAX_HEAD_DIM or num_heads > _MAX_HEADS:
             raise ValueError(

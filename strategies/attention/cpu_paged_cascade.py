@@ -164,6 +164,7 @@ class CpuPagedCascadeBackend(CpuPagedBackend):
     """
 
     name = "cpu_paged_cascade"
+    kv_cache_dtypes = (torch.float32,)  # the cascade kernel reads float32 caches only
 
     def __init__(self, min_group_size: int = 2, min_shared_tokens: int = 64) -> None:
         if min_group_size < 2:
@@ -240,13 +241,14 @@ class CpuPagedCascadeBackend(CpuPagedBackend):
         self.stats.groups += calls * len(plan.groups)
         self.stats.shared_rows_saved += calls * sum((g.num_rows - 1) * g.num_tokens for g in plan.groups)
 
-    def native_attention(self, metadata: AttentionMetadata, model_config: ModelConfig) -> NativeAttention:
+    def native_attention(self, metadata: AttentionMetadata, model_config: ModelConfig,
+                         kv_cache_dtype: torch.dtype) -> NativeAttention:
         """For whole decoder layers in C (:mod:`engine.native_layers`): ``cpu_paged``'s kernel where
         the step takes its path, else the cascade kernel with this step's plan as the context that
         every layer's call passes through (the same call :meth:`forward` makes, layer by layer)."""
         plan = self.step_plan(metadata)
         if plan is None:
-            return super().native_attention(metadata, model_config)
+            return super().native_attention(metadata, model_config, kv_cache_dtype)
         num_kv_heads, head_dim = model_config.num_key_value_heads, model_config.head_dim
         self.reserve_workspace(metadata, plan, num_kv_heads, head_dim)
         slot_mapping, block_tables, context_lens, query_start_loc = metadata.cached(
