@@ -98,7 +98,15 @@ class LLM:
             AVX-512 (decision 20). Same caveat on token identity as ``prefill_dtype``; there
             ``prefill_dtype="int16"`` (``"auto"`` with ``decode_dtype`` auto) gives prompt steps of
             up to 4096 rows to the integer GEMM too (1.2-1.5x faster than oneDNN float32 there).
-        quantized_weights: performance option. ``"auto"`` (default): for a checkpoint converted
+        kv_cache_dtype: performance option, the KV cache's dtype (vLLM's ``kv_cache_dtype``).
+            ``"model"`` (default): the model's dtype; changes no result. ``"bfloat16"``: K/V are
+            rounded to bfloat16 as they are written and widened to float32 as attention reads
+            them, half the bytes a step reads from the cache (the most of attention's time in a
+            decode step of many or long sequences): needs a float32 model on the CPU and
+            ``attention`` ``cpu_paged`` (or ``auto``, which builds it), else a ``ValueError``.
+            ``"auto"``: bfloat16 where the prompt steps compute in bfloat16 (``prefill_dtype``
+            applied bfloat16), the model's dtype elsewhere (decision 21). Under bfloat16 a
+            request's tokens may differ from float32's where two candidates are near a tie. performance option. ``"auto"`` (default): for a checkpoint converted
             from a GGUF file (``model=smollm2-135m-instruct``, a ``.gguf`` path), every weight stored
             there as Q4_1 or Q8_0 also keeps its blocks, and inputs of at most
             ``QuantizedGemm.max_rows`` rows (decode steps) are multiplied with them by servelab's

@@ -4,10 +4,11 @@ Builds the default model (SmolLM2-135M-Instruct, real weights) as the float32 en
 reference) and as each variant: ``prefill_dtype=bfloat16`` (the oneDNN copies that serve steps of
 more rows than the skinny GEMM in bfloat16), ``decode_dtype=bfloat16`` (the skinny GEMM's panels,
 which serve decode steps above the quantized GEMM's rows and the LM head's rows), both, both
-``auto`` (the default of ``conf/engine/servelab.yaml``: what this CPU gets) and
+``auto`` with the KV cache's dtype (the default of ``conf/engine/servelab.yaml``: what this CPU gets) and
 ``dtype=bfloat16`` (every weight and activation in bfloat16: an upper bound), and
 ``decode_dtype=int16`` (the integer GEMM over the GGUF blocks, for CPUs without bfloat16 dot
-products) and ``prefill_dtype=decode_dtype=int16`` (that GEMM for the prompt step too);
+products), ``prefill_dtype=decode_dtype=int16`` (that GEMM for the prompt step too) and
+``kv_cache_dtype=bfloat16`` (float32 compute over K/V stored in bfloat16);
 ``--variants`` picks which to run. On a set of real
 questions, each through the chat template, it prints per prompt the max and mean absolute logit
 difference from float32 of the first step (all prompts in one step of a few hundred rows: the
@@ -63,7 +64,9 @@ VARIANTS = {  # name: LLM keyword arguments beside the reference's
     "prefill_dtype=bfloat16": {"prefill_dtype": "bfloat16"},
     "decode_dtype=bfloat16": {"decode_dtype": "bfloat16"},
     "prefill_dtype=decode_dtype=bfloat16": {"prefill_dtype": "bfloat16", "decode_dtype": "bfloat16"},
-    "prefill_dtype=decode_dtype=auto (run.py's and serve.py's default)": {"prefill_dtype": "auto", "decode_dtype": "auto"},
+    "kv_cache_dtype=bfloat16": {"kv_cache_dtype": "bfloat16"},  # K/V stored rounded to bfloat16, float32 compute
+    "prefill_dtype=decode_dtype=kv_cache_dtype=auto (run.py's and serve.py's default)":
+        {"prefill_dtype": "auto", "decode_dtype": "auto", "kv_cache_dtype": "auto"},
     "dtype=bfloat16": {"dtype": "bfloat16"},
     "decode_dtype=int16": {"decode_dtype": "int16"},  # the integer GEMM (CPUs without bfloat16 dot products)
     "prefill_dtype=decode_dtype=int16": {"prefill_dtype": "int16", "decode_dtype": "int16"},  # and for prompt steps

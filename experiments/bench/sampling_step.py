@@ -15,8 +15,8 @@ temperature 0.7 of tens of tokens); ``--prompts random`` sends ``--prompt-len`` 
 which leave the model unsure (flat distributions, heads of hundreds to thousands of tokens): the
 filters' worst case rather than the real one.
 
-``--prefill-dtype`` / ``--decode-dtype`` are the engine's options (default ``auto``, as
-``run.py`` and ``serve.py`` run; ``float32`` for the float32 engine). ``--sampler torch``
+``--prefill-dtype`` / ``--decode-dtype`` / ``--kv-cache-dtype`` are the engine's options (default
+``auto``, as ``run.py`` and ``serve.py`` run; ``float32`` / ``model`` for the float32 engine). ``--sampler torch``
 draws with the PyTorch ops instead of the C kernels the engine takes with its fused ops
 (``engine.sampling_kernels``): the A/B of those kernels.
 
@@ -107,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: the engine's)")
     parser.add_argument("--prefill-dtype", default="auto", choices=["auto", "bfloat16", "float32", "int16"])
     parser.add_argument("--decode-dtype", default="auto", choices=["auto", "bfloat16", "float32", "int16"])
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "model"])
     parser.add_argument("--sampler", default="engine", choices=["engine", "torch"],
                         help="engine: the sampler as the engine built it; torch: every draw by the PyTorch ops")
     args = parser.parse_args(argv)
@@ -115,11 +116,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     llm = LLM(model=args.model, max_num_seqs=max(args.batch_sizes), prefill_dtype=args.prefill_dtype,
-              decode_dtype=args.decode_dtype)
+              decode_dtype=args.decode_dtype, kv_cache_dtype=args.kv_cache_dtype)
     if args.sampler == "torch":
         llm.sampler.kernels = None
     print(f"prompts: {args.prompts}; steps per mode: {args.steps // len(MODES)}; {llm.prefill_dtype} prompt steps, "
-          f"decode_dtype {llm.decode_dtype}, skinny GEMM up to {llm.skinny_gemm_max_rows} rows; draws by "
+          f"decode_dtype {llm.decode_dtype}, {llm.kv_cache_dtype} KV cache, skinny GEMM up to {llm.skinny_gemm_max_rows} rows; draws by "
           f"{'the C kernels' if llm.sampler.kernels is not None else 'the PyTorch ops'}")
     print("| batch | mode | decode step (ms) | / greedy | in the sampler (ms) | rows widened |\n"
           "| --- | --- | --- | --- | --- | --- |")
