@@ -106,7 +106,8 @@ class LLM:
             ``attention`` ``cpu_paged`` (or ``auto``, which builds it), else a ``ValueError``.
             ``"auto"``: bfloat16 where the prompt steps compute in bfloat16 (``prefill_dtype``
             applied bfloat16), the model's dtype elsewhere (decision 21). Under bfloat16 a
-            request's tokens may differ from float32's where two candidates are near a tie. performance option. ``"auto"`` (default): for a checkpoint converted
+            request's tokens may differ from float32's where two candidates are near a tie.
+        quantized_weights: performance option. ``"auto"`` (default): for a checkpoint converted
             from a GGUF file (``model=smollm2-135m-instruct``, a ``.gguf`` path), every weight stored
             there as Q4_1 or Q8_0 also keeps its blocks, and inputs of at most
             ``QuantizedGemm.max_rows`` rows (decode steps) are multiplied with them by servelab's
