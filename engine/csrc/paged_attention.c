@@ -330,30 +330,21 @@ static inline __attribute__((always_inline)) int paged_attention(
     return 0;
 }
 
-/* decoder_layer.c's attention signature; `context` is a per-step plan this kernel does not need. */
-int paged_attention_f32(
-    const float *query, int64_t query_token_stride, const float *new_keys, const float *new_values,
-    int64_t new_token_stride, const int64_t *slot_mapping, int64_t num_tokens, void *k_cache,
-    void *v_cache, const int32_t *block_tables, int64_t block_table_stride,
-    const int32_t *context_lens, const int32_t *query_start_loc, int64_t num_seqs,
-    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
-    float *out, int64_t out_token_stride, const void *context) {
-    (void)context;
-    return paged_attention(query, query_token_stride, new_keys, new_values, new_token_stride, slot_mapping, num_tokens,
-                           k_cache, v_cache, block_tables, block_table_stride, context_lens, query_start_loc, num_seqs,
-                           num_heads, num_kv_heads, head_dim, block_size, scale, out, out_token_stride, 0);
-}
-
-/* The same over a bfloat16 cache (kv_cache_dtype=bfloat16). */
-int paged_attention_bf16kv(
-    const float *query, int64_t query_token_stride, const float *new_keys, const float *new_values,
-    int64_t new_token_stride, const int64_t *slot_mapping, int64_t num_tokens, void *k_cache,
-    void *v_cache, const int32_t *block_tables, int64_t block_table_stride,
-    const int32_t *context_lens, const int32_t *query_start_loc, int64_t num_seqs,
-    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
-    float *out, int64_t out_token_stride, const void *context) {
-    (void)context;
-    return paged_attention(query, query_token_stride, new_keys, new_values, new_token_stride, slot_mapping, num_tokens,
-                           k_cache, v_cache, block_tables, block_table_stride, context_lens, query_start_loc, num_seqs,
-                           num_heads, num_kv_heads, head_dim, block_size, scale, out, out_token_stride, 1);
-}
+/* The entry points, one per cache dtype, with decoder_layer.c's attention signature; `context` is a
+ * per-step plan this kernel does not need. */
+#define ENTRY_POINT(name, bf16)                                                                                         \
+    int name(const float *query, int64_t query_token_stride, const float *new_keys, const float *new_values,          \
+             int64_t new_token_stride, const int64_t *slot_mapping, int64_t num_tokens, void *k_cache, void *v_cache, \
+             const int32_t *block_tables, int64_t block_table_stride, const int32_t *context_lens,                   \
+             const int32_t *query_start_loc, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,              \
+             int64_t head_dim, int64_t block_size, float scale, float *out, int64_t out_token_stride,                \
+             const void *context) {                                                                                  \
+        (void)context;                                                                                               \
+        return paged_attention(query, query_token_stride, new_keys, new_values, new_token_stride, slot_mapping,      \
+                               num_tokens, k_cache, v_cache, block_tables, block_table_stride, context_lens,         \
+                               query_start_loc, num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, out, \
+                               out_token_stride, bf16);                                                              \
+    }
+ENTRY_POINT(paged_attention_f32, 0)
+ENTRY_POINT(paged_attention_bf16kv, 1) /* kv_cache_dtype=bfloat16 */
+#undef ENTRY_POINT

@@ -88,8 +88,7 @@ class CpuPagedBackend:
             setattr(self, f"_{name}", _kernel(name))
 
     def kernel(self, kv_cache_dtype: torch.dtype):
-        """The C function over a ``kv_cache_dtype`` cache."""
-        self.require_kv_cache_dtype(kv_cache_dtype)
+        """The C function over a ``kv_cache_dtype`` cache (one of :attr:`kv_cache_dtypes`, checked by the callers)."""
         return getattr(self, f"_{KERNEL_NAMES[kv_cache_dtype]}")
 
     def forward(
@@ -126,6 +125,7 @@ class CpuPagedBackend:
                          kv_cache_dtype: torch.dtype) -> NativeAttention:
         """The kernel for a ``kv_cache_dtype`` cache and this step's index tensors for callers that
         run whole layers in C (:mod:`engine.native_layers`): the same call as :meth:`forward` makes."""
+        self.require_kv_cache_dtype(kv_cache_dtype)
         kernel = self.kernel(kv_cache_dtype)
         ints = metadata.cached("cpu_paged.ints", lambda: _kernel_ints(metadata))
         return NativeAttention(ctypes.cast(kernel, ctypes.c_void_p).value, *ints)
