@@ -35,13 +35,34 @@ from engine.quantized_gemm import BlockGemm
 PREFILL_MAX_ROWS = 4096
 
 
+#: The integer GEMM's C builds by the bits of their activations: ``int_gemm.c`` (int16, AVX2's
+#: ``vpmaddwd``) and ``int8_gemm.c`` (int8, AVX512-VNNI's ``vpdpbusd``), with their functions' prefix.
+LIBRARIES = {16: ("int_gemm", "int"), 8: ("int8_gemm", "int8")}
+
+
+def int8_supported() -> bool:
+    """Whether the int8 build exists here: the compiler targets AVX512-VNNI (``-march=native`` on a
+    CPU with it). ``False`` where the C kernels cannot be built at all."""
+    try:
+        return bool(native.function("int8_gemm", "int8_gemm_supported", [], ctypes.c_int64)())
+    except native.NativeKernelUnavailable:
+        return False
+
+
 class IntegerGemm(BlockGemm):
-    """int16 activations x GGUF integer weights, int32 sums (see the module docstring).
-    ``prefill``: also serve prompt steps, up to :data:`PREFILL_MAX_ROWS` rows (else the C build's
-    decode limit)."""
+    """``activation_bits`` (16 or 8) activations x GGUF integer weights, int32 sums (see the module
+    docstring). ``prefill``: also serve prompt steps, up to :data:`PREFILL_MAX_ROWS` rows (else the
+    C build's decode limit)."""
 
     name = "the integer GEMM"
 
-    def __init__(self, prefill: bool = False) -> None:
-        decode_max_rows = native.function("int_gemm", "int_gemm_max_rows", [], ctypes.c_int64)()
-        super().__init__("int_gemm", "int", max(decode_max_rows, PREFILL_MAX_ROWS) if prefill else decode_max_rows)
+    def __init__(self, prefill: bool = False, activation_bits: int = 16) -> None:
+        if activation_bits not in LIBRARIES:
+            raise ValueError(f"the integer GEMM's activations have {sorted(LIBRARIES)} bits, not {activation_bits}")
+        library, prefix = LIBRARIES[activation_bits]
+        if activation_bits == 8 and not int8_supported():
+            raise native.NativeKernelUnavailable("the int8 integer GEMM needs AVX512-VNNI in the C compiler's target (-march=native)")
+        self.activation_bits = activation_bits
+        self.dtype = f"int{activation_bits}"
+        decode_max_rows = native.function(library, f"{prefix}_gemm_max_rows", [], ctypes.c_int64)()
+        super().__init__(library, prefix, max(decode_max_rows, PREFILL_MAX_ROWS) if prefill else decode_max_rows)

@@ -68,8 +68,8 @@ class PerformanceOptions:
     fused_ops: bool | str = "auto"  # fused C kernels for add + RMSNorm, RoPE, SiLU-and-multiply, the sampler's draws (CPU float32)
     keep_freed_memory: bool | str = "auto"  # glibc malloc keeps freed activation buffers (CPU runs)
     cuda_graphs: bool = False  # replay decode-only steps as CUDA graphs (CUDA only)
-    prefill_dtype: str = "float32"  # float32 | bfloat16 | int16 | auto: arithmetic of steps of many rows (oneDNN copies' dtype, or the integer GEMM)
-    decode_dtype: str = "float32"  # float32 | bfloat16 | int16 | auto: arithmetic of decode-sized steps (skinny GEMM panels, or the integer GEMM)
+    prefill_dtype: str = "float32"  # float32 | bfloat16 | int16 | int8 | auto: arithmetic of steps of many rows (oneDNN copies' dtype, or the integer GEMM)
+    decode_dtype: str = "float32"  # float32 | bfloat16 | int16 | int8 | auto: arithmetic of decode-sized steps (skinny GEMM panels, or the integer GEMM)
     kv_cache_dtype: str = "model"  # model | bfloat16 | auto: the KV cache's dtype (model: the model's own)
 
 
@@ -80,19 +80,22 @@ class PerformanceOptions:
 #: decision 19).
 SKINNY_ROWS_BESIDE_AMX = 8
 
+#: The integer GEMM's dtypes (``decode_dtype`` / ``prefill_dtype`` values) and their activations' bits.
+INTEGER_DTYPES = {"int16": 16, "int8": 8}
+
 
 @dataclass(frozen=True)
 class AppliedOptions:
     """What :func:`apply_performance_options` applied on this device, dtype and checkpoint."""
 
     prepacked: bool  # every linear has its oneDNN-prepacked copy
-    prefill_dtype: str  # arithmetic of prompt steps: the oneDNN copies' dtype ("float32" or "bfloat16"; "float32" when not prepacked), or "int16" (the integer GEMM, up to its row limit)
-    decode_dtype: str  # arithmetic of decode-sized steps: the skinny GEMM's panels' dtype ("float32" or "bfloat16"), or "int16" (the integer GEMM)
+    prefill_dtype: str  # arithmetic of prompt steps: the oneDNN copies' dtype ("float32" or "bfloat16"; "float32" when not prepacked), or "int16" / "int8" (the integer GEMM, up to its row limit)
+    decode_dtype: str  # arithmetic of decode-sized steps: the skinny GEMM's panels' dtype ("float32" or "bfloat16"), or "int16" / "int8" (the integer GEMM)
     kv_cache_dtype: str  # the KV cache's dtype ("float32", "bfloat16", ...)
     skinny_gemm_max_rows: int  # linears of at most this many rows take the skinny GEMM (0: none)
     skinny_gemm_tile_rows: int  # rows of the skinny GEMM's full register tile (0: no skinny GEMM)
     onednn_row_buckets: int  # prepacked linears pad rows to this many buckets per octave (0: no padding)
-    quantized_weights: dict[str, Any] | None  # {"types": {GGUF type: weights}, "max_rows": rows, "integer_max_rows": rows or 0}; None: not used
+    quantized_weights: dict[str, Any] | None  # {"types": {GGUF type: weights}, "max_rows": rows, "integer_max_rows": rows or 0, "integer_dtype": "int16" / "int8" / None}; None: not used
     fused: bool  # the fused C kernels run instead of the eager PyTorch ops
     kept_freed_memory: bool  # glibc's malloc was tuned to keep freed memory
     cuda_graphs: bool  # decode-only steps are to be captured as CUDA graphs (requested, on a CUDA device)
@@ -146,12 +149,13 @@ def apply_performance_options(
     quantized = _quantized_weights(model, model_config, checkpoint, device, dtype, options, skinny_gemm)
     fused = _fused_ops(model, device, dtype, options.fused_ops)
     kept_freed_memory = _keep_freed_memory(device, options.keep_freed_memory)
+    integer_rows = quantized["integer_max_rows"] if quantized is not None else 0
+    prefill_dtype = quantized["integer_dtype"] if integer_rows >= PREFILL_MAX_ROWS else str(packed_dtype).removeprefix("torch.")
     return AppliedOptions(
         prepacked=prepacked,
-        prefill_dtype="int16" if quantized is not None and quantized["integer_max_rows"] >= PREFILL_MAX_ROWS
-        else str(packed_dtype).removeprefix("torch."),
-        decode_dtype="int16" if quantized is not None and quantized["integer_max_rows"] else str(panel_dtype).removeprefix("torch."),
-        kv_cache_dtype=str(_kv_cache_dtype(options.kv_cache_dtype, device, dtype, packed_dtype, attention)).removeprefix("torch."),
+        prefill_dtype=prefill_dtype,
+        decode_dtype=quantized["integer_dtype"] if integer_rows else str(panel_dtype).removeprefix("torch."),
+        kv_cache_dtype=str(_kv_cache_dtype(options.kv_cache_dtype, device, dtype, prefill_dtype, attention)).removeprefix("torch."),
         skinny_gemm_max_rows=skinny_gemm.max_rows if skinny_gemm is not None else 0,
         skinny_gemm_tile_rows=skinny_gemm.tile_rows if skinny_gemm is not None else 0,
         onednn_row_buckets=ONEDNN_BUCKETS_PER_OCTAVE if prepacked else 0,
@@ -191,14 +195,15 @@ def _prepack(
 
 def _reduced_dtype(name: str, value: str, prepacked: bool, cpu_bf16: bool, requirement: str,
                    auto_takes_bf16: bool = True) -> torch.dtype:
-    """A ``float32 | bfloat16 | int16 | auto`` dtype option (``prefill_dtype``, ``decode_dtype``) resolved:
-    bfloat16 needs the prepacked copies and ``cpu_bf16`` (the kernel's bfloat16 dot products,
-    ``requirement``); ``auto`` takes bfloat16 where both hold and ``auto_takes_bf16`` (it is the
-    faster choice there), float32 elsewhere."""
-    if value == "int16":
+    """A ``float32 | bfloat16 | int16 | int8 | auto`` dtype option (``prefill_dtype``, ``decode_dtype``)
+    resolved to the copies' dtype: bfloat16 needs the prepacked copies and ``cpu_bf16`` (the
+    kernel's bfloat16 dot products, ``requirement``); ``auto`` takes bfloat16 where both hold and
+    ``auto_takes_bf16`` (it is the faster choice there), float32 elsewhere (the integer GEMM that
+    ``auto`` may also add is :func:`_quantized_weights`' choice)."""
+    if value in INTEGER_DTYPES:
         return torch.float32  # the copies stay float32; the integer GEMM is _quantized_weights' to add
     if value not in ("float32", "bfloat16", "auto"):
-        raise ValueError(f"{name} must be float32, bfloat16, int16 or auto, got {value!r}")
+        raise ValueError(f"{name} must be float32, bfloat16, int16, int8 or auto, got {value!r}")
     bf16 = prepacked and cpu_bf16
     if value == "bfloat16" and not bf16:
         raise ValueError(f"{name}=bfloat16 needs prepack (a float32 model on a CPU with oneDNN) and {requirement} "
@@ -207,13 +212,14 @@ def _reduced_dtype(name: str, value: str, prepacked: bool, cpu_bf16: bool, requi
     return torch.bfloat16 if wanted and bf16 else torch.float32
 
 
-def _kv_cache_dtype(value: str, device: torch.device, dtype: torch.dtype, packed_dtype: torch.dtype,
+def _kv_cache_dtype(value: str, device: torch.device, dtype: torch.dtype, prefill_dtype: str,
                     attention: AttentionBackend) -> torch.dtype:
     """The KV cache's dtype: ``model`` keeps the model's; ``bfloat16`` stores K/V rounded to
     bfloat16, half the bytes attention reads per step (a float32 model on the CPU, with an attention
     backend that reads such a cache: ``cpu_paged``); ``auto`` takes bfloat16 there where the prompt
-    steps compute in bfloat16 already (``packed_dtype``: a CPU with bfloat16 dot products, the
-    default of ``run.py`` and ``serve.py``), the model's dtype elsewhere (docs/decisions.md, decision 21)."""
+    steps compute with 8-bit activations or bfloat16 already (``prefill_dtype`` int8 or bfloat16:
+    a CPU with AVX512-VNNI or bfloat16 dot products, the default of ``run.py`` and ``serve.py``),
+    the model's dtype elsewhere (docs/decisions.md, decisions 21-22)."""
     if value not in ("model", "bfloat16", "auto"):
         raise ValueError(f"kv_cache_dtype must be model, bfloat16 or auto, got {value!r}")
     readable = (device.type == "cpu" and dtype == torch.float32
@@ -221,7 +227,7 @@ def _kv_cache_dtype(value: str, device: torch.device, dtype: torch.dtype, packed
     if value == "bfloat16" and dtype != torch.bfloat16 and not readable:
         raise ValueError(f"kv_cache_dtype=bfloat16 needs a float32 model on the CPU and an attention backend that reads "
                          f"a bfloat16 cache (cpu_paged); got {dtype} on {device}, attention={attention.name}")
-    if value == "bfloat16" or (value == "auto" and readable and packed_dtype == torch.bfloat16):
+    if value == "bfloat16" or (value == "auto" and readable and prefill_dtype in ("bfloat16", "int8")):
         return torch.bfloat16
     return dtype
 
@@ -230,44 +236,59 @@ def _quantized_weights(
     model: CausalLM, model_config: ModelConfig, checkpoint: Path, device: torch.device, dtype: torch.dtype,
     options: PerformanceOptions, skinny_gemm: SkinnyGemm | None,
 ) -> dict[str, Any] | None:
-    """``{"types": {GGUF type: weights using it}, "max_rows": rows, "integer_max_rows": rows}``
-    where applied, else ``None``; ``skinny_gemm``: the one that got its panels (their dtype sets
-    the rows up to which the quantized GEMM is faster). ``decode_dtype=int16`` adds the integer
-    GEMM's copies (``integer_max_rows``, 0 without them); ``auto`` adds them where the skinny GEMM
-    has float32 panels of the AVX2 build (4-row tiles) and the CPU no bfloat16 dot products.
-    ``prefill_dtype=int16`` (or ``auto`` there, beside them) lets them serve prompt steps too, up to
-    :data:`~engine.integer_gemm.PREFILL_MAX_ROWS` rows; it needs the integer GEMM for decode
-    batches, since one copy serves every row count from the quantized GEMM's limit up."""
+    """``{"types": {GGUF type: weights using it}, "max_rows": rows, "integer_max_rows": rows,
+    "integer_dtype": dtype}`` where applied, else ``None``; ``skinny_gemm``: the one that got its
+    panels (their dtype sets the rows up to which the quantized GEMM is faster).
+    ``decode_dtype=int16`` or ``int8`` adds the integer GEMM's copies with activations of that
+    many bits (``integer_max_rows``, 0 without them; int8 needs AVX512-VNNI); ``auto`` adds the
+    int16 ones where :func:`_auto_integer_dtype` says so.
+    ``prefill_dtype`` of the same integer dtype (or ``auto`` there, beside ``auto``'s copies) lets
+    them serve prompt steps too, up to :data:`~engine.integer_gemm.PREFILL_MAX_ROWS` rows; it
+    needs the integer GEMM for decode batches, since one copy serves every row count from the
+    quantized GEMM's limit up."""
     quantized = options.quantized_weights
     panel_dtype = skinny_gemm.dtype if skinny_gemm is not None else torch.float32
     cpu_float32 = device.type == "cpu" and dtype == torch.float32
     blocks = load_quantized_blocks(checkpoint, model_config) if cpu_float32 and quantized is not False else {}
     requirement = (f"float32 on a CPU and a checkpoint converted from a GGUF file with Q4_1 / Q8_0 weights "
                    f"(got {dtype} on {device}, checkpoint {checkpoint})")
-    wants_integer = options.decode_dtype == "int16"
-    name = "decode_dtype" if wants_integer else "prefill_dtype"
-    if (wants_integer or options.prefill_dtype == "int16") and (not blocks or quantized is False or skinny_gemm is None):
-        raise ValueError(f"{name}=int16 needs prepack and quantized_weights: {requirement} "
+    wanted = options.decode_dtype if options.decode_dtype in INTEGER_DTYPES else None
+    prefill_wanted = options.prefill_dtype if options.prefill_dtype in INTEGER_DTYPES else None
+    name = "decode_dtype" if wanted else "prefill_dtype"
+    if (wanted or prefill_wanted) and (not blocks or quantized is False or skinny_gemm is None):
+        raise ValueError(f"{name}={wanted or prefill_wanted} needs prepack and quantized_weights: {requirement} "
                          f"(quantized_weights={quantized!r}, prepack applied: {skinny_gemm is not None})")
     if not option_enabled("quantized_weights", quantized, bool(blocks), requirement):
         return None
     gemm = build_kernel("quantized_weights", quantized, lambda: QuantizedGemm(panel_dtype), "decode steps read the float32 weights")
     if gemm is None:
         return None
-    integer_here = (skinny_gemm is not None and panel_dtype == torch.float32 and skinny_gemm.tile_rows == 4
-                    and not onednn_bf16_supported() and not skinny_bf16_supported())
-    integer_decode = wants_integer or (options.decode_dtype == "auto" and integer_here)
-    if options.prefill_dtype == "int16" and not integer_decode:
-        raise ValueError(f"prefill_dtype=int16 needs decode_dtype int16 (or auto on a CPU that takes it): one integer "
-                         f"copy serves every step from the quantized GEMM's {gemm.max_rows} rows up to "
+    auto_dtype = _auto_integer_dtype(skinny_gemm)
+    decode = wanted or (auto_dtype if options.decode_dtype == "auto" else None)
+    if prefill_wanted and prefill_wanted != decode:
+        raise ValueError(f"prefill_dtype={prefill_wanted} needs decode_dtype {prefill_wanted} (or auto on a CPU that takes it): "
+                         f"one integer copy serves every step from the quantized GEMM's {gemm.max_rows} rows up to "
                          f"{PREFILL_MAX_ROWS} (decode_dtype={options.decode_dtype!r})")
-    prefill = options.prefill_dtype == "int16" or (options.prefill_dtype == "auto" and integer_here)
+    prefill = prefill_wanted is not None or (options.prefill_dtype == "auto" and decode is not None and decode == auto_dtype)
     integer_gemm = None
-    if integer_decode:
-        integer_gemm = build_kernel("decode_dtype", True if wants_integer else "auto", lambda: IntegerGemm(prefill=prefill),
-                                    "decode batches use the float32 skinny GEMM")
+    if decode is not None:
+        integer_gemm = build_kernel("decode_dtype", True if wanted else "auto",
+                                    lambda: IntegerGemm(prefill=prefill, activation_bits=INTEGER_DTYPES[decode]),
+                                    "decode batches use the skinny GEMM")
     return {"types": model.use_quantized_weights(gemm, blocks, integer_gemm), "max_rows": gemm.max_rows,
-            "integer_max_rows": integer_gemm.max_rows if integer_gemm is not None else 0}
+            "integer_max_rows": integer_gemm.max_rows if integer_gemm is not None else 0,
+            "integer_dtype": integer_gemm.dtype if integer_gemm is not None else None}
+
+
+def _auto_integer_dtype(skinny_gemm: SkinnyGemm | None) -> str | None:
+    """The integer GEMM ``auto`` takes on this CPU: int16 on an AVX2 CPU without bfloat16 dot
+    products (the skinny GEMM's float32 panels of the AVX2 build, 4-row tiles), where it measured
+    faster at no measurable cost in accuracy (decision 20); ``None`` elsewhere. Never int8: its
+    8-bit activations move the logits several times as far as bfloat16 does (decision 22)."""
+    if (skinny_gemm is not None and skinny_gemm.dtype == torch.float32 and skinny_gemm.tile_rows == 4
+            and not onednn_bf16_supported() and not skinny_bf16_supported()):
+        return "int16"
+    return None
 
 
 def _fused_ops(model: CausalLM, device: torch.device, dtype: torch.dtype, fused_ops: bool | str) -> bool:

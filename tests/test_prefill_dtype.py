@@ -90,7 +90,7 @@ def test_prefill_dtype_values_and_errors(tiny_llama_ckpt, monkeypatch):
     assert build(tiny_llama_ckpt).prefill_dtype == "float32"
     expected_auto = "bfloat16" if onednn_bf16_supported() and onednn_linear_supported(torch.device("cpu"), torch.float32) else "float32"
     assert build(tiny_llama_ckpt, prefill_dtype="auto").prefill_dtype == expected_auto
-    with pytest.raises(ValueError, match="prefill_dtype must be float32, bfloat16, int16 or auto"):
+    with pytest.raises(ValueError, match="prefill_dtype must be float32, bfloat16, int16, int8 or auto"):
         build(tiny_llama_ckpt, prefill_dtype="float16")
     with pytest.raises(ValueError, match="prefill_dtype=bfloat16 needs prepack"):
         build(tiny_llama_ckpt, prefill_dtype="bfloat16", prepack=False)

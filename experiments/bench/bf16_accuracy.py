@@ -7,7 +7,8 @@ which serve decode steps above the quantized GEMM's rows and the LM head's rows)
 ``auto`` with the KV cache's dtype (the default of ``conf/engine/servelab.yaml``: what this CPU gets) and
 ``dtype=bfloat16`` (every weight and activation in bfloat16: an upper bound), and
 ``decode_dtype=int16`` (the integer GEMM over the GGUF blocks, for CPUs without bfloat16 dot
-products), ``prefill_dtype=decode_dtype=int16`` (that GEMM for the prompt step too) and
+products), ``prefill_dtype=decode_dtype=int16`` (that GEMM for the prompt step too), the same
+with 8-bit activations (``int8``, AVX512-VNNI; alone and beside a bfloat16 KV cache) and
 ``kv_cache_dtype=bfloat16`` (float32 compute over K/V stored in bfloat16);
 ``--variants`` picks which to run. On a set of real
 questions, each through the chat template, it prints per prompt the max and mean absolute logit
@@ -70,6 +71,9 @@ VARIANTS = {  # name: LLM keyword arguments beside the reference's
     "dtype=bfloat16": {"dtype": "bfloat16"},
     "decode_dtype=int16": {"decode_dtype": "int16"},  # the integer GEMM (CPUs without bfloat16 dot products)
     "prefill_dtype=decode_dtype=int16": {"prefill_dtype": "int16", "decode_dtype": "int16"},  # and for prompt steps
+    "prefill_dtype=decode_dtype=int8": {"prefill_dtype": "int8", "decode_dtype": "int8"},  # 8-bit activations (AVX512-VNNI)
+    "prefill_dtype=decode_dtype=int8, kv_cache_dtype=bfloat16":
+        {"prefill_dtype": "int8", "decode_dtype": "int8", "kv_cache_dtype": "bfloat16"},
 }
 
 
