@@ -76,7 +76,8 @@ class LLM:
             changes no result. ``"bfloat16"`` packs them in bfloat16 and rounds those steps'
             inputs to bfloat16 (float32 sums and outputs); it needs ``prepack`` and a CPU with
             bfloat16 dot products (AVX512-BF16 or AMX), else a ``ValueError``. ``"int16"``: the
-            integer GEMM of ``decode_dtype="int16"`` (which it needs) serves them too (below).
+            integer GEMM of ``decode_dtype="int16"`` (which it needs) serves them too (below);
+            ``"int8"`` likewise beside ``decode_dtype="int8"``.
             ``"auto"``: bfloat16 where the CPU has them, int16 where ``decode_dtype`` ``auto``
             takes int16, else float32. Decode-sized steps stay float32 / quantized;
             under bfloat16 a prompt's tokens can depend on how its step was composed, so every
@@ -98,14 +99,18 @@ class LLM:
             AVX-512 (decision 20). Same caveat on token identity as ``prefill_dtype``; there
             ``prefill_dtype="int16"`` (``"auto"`` with ``decode_dtype`` auto) gives prompt steps of
             up to 4096 rows to the integer GEMM too (1.2-1.5x faster than oneDNN float32 there).
+            ``"int8"``: the same GEMM with activations rounded to int8 per block of 32
+            (AVX512-VNNI's ``vpdpbusd``; 1.5-1.6x faster than bfloat16 oneDNN from 64 rows on an
+            AMD EPYC with AVX512-BF16), needs a CPU and compiler target with AVX512-VNNI; opt-in
+            only: its logits move several times as far from float32 as bfloat16's (decision 22).
         kv_cache_dtype: performance option, the KV cache's dtype (vLLM's ``kv_cache_dtype``).
             ``"model"`` (default): the model's dtype; changes no result. ``"bfloat16"``: K/V are
             rounded to bfloat16 as they are written and widened to float32 as attention reads
             them, half the bytes a step reads from the cache (the most of attention's time in a
             decode step of many or long sequences): needs a float32 model on the CPU and
             ``attention`` ``cpu_paged`` (or ``auto``, which builds it), else a ``ValueError``.
-            ``"auto"``: bfloat16 where the prompt steps compute in bfloat16 (``prefill_dtype``
-            applied bfloat16), the model's dtype elsewhere (decision 21). Under bfloat16 a
+            ``"auto"``: bfloat16 where the prompt steps compute in bfloat16 or int8 (``prefill_dtype``
+            applied), the model's dtype elsewhere (decision 21). Under bfloat16 a
             request's tokens may differ from float32's where two candidates are near a tie.
         quantized_weights: performance option. ``"auto"`` (default): for a checkpoint converted
             from a GGUF file (``model=smollm2-135m-instruct``, a ``.gguf`` path), every weight stored

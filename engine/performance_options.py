@@ -22,7 +22,8 @@ the integer GEMM for prompt steps up to its row limit too (decision 20), and ``d
 the arithmetic of decode-sized steps above the quantized GEMM's rows: the skinny GEMM's panels in
 float32 or bfloat16 (decision 19), or ``int16``, the integer GEMM over the GGUF blocks with
 activations rounded to int16 (:mod:`engine.integer_gemm`, decision 20; ``auto`` takes it on a
-CPU without bfloat16 dot products and without AVX-512, and ``prefill_dtype=auto`` with it); and
+CPU without bfloat16 dot products and without AVX-512, and ``prefill_dtype=auto`` with it), or
+``int8``, the same with int8 activations on AVX512-VNNI (opt-in, decision 22); and
 ``kv_cache_dtype`` the KV cache's dtype, the model's or bfloat16 (decision 21; ``auto`` takes
 bfloat16 beside bfloat16 prompt steps, with an attention backend that reads it): the three options
 that change what a step computes. ``cuda_graphs`` is applied later, by the runner. What was

@@ -128,7 +128,7 @@ def test_engine_projections_read_back_their_float32_parameters(quantized_gguf):
     llm = build(path, quantized_weights=True)
     layers = llm.model_config.num_hidden_layers
     assert llm.quantized_weights == {"types": {qtype: 4 * layers + 1}, "max_rows": QuantizedGemm().max_rows,
-                                    "integer_max_rows": 0}
+                                    "integer_max_rows": 0, "integer_dtype": None}
     linears = [m for m in llm.model.modules() if isinstance(m, Linear)]
     assert len(linears) == 4 * layers and all(m.quantized is not None for m in linears)
     for module in linears:

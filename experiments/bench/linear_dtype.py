@@ -1,4 +1,5 @@
-"""The model's linears at each row count: the skinny GEMM and oneDNN, each in float32 and bfloat16.
+"""The model's linears at each row count: the skinny GEMM and oneDNN, each in float32 and bfloat16
+(and the int8 integer GEMM where the CPU has AVX512-VNNI).
 
 Which copy of a weight serves a step (engine/weight_copies.py) is chosen by the step's row count;
 ``prefill_dtype=bfloat16`` swaps the oneDNN copy's dtype, ``decode_dtype=bfloat16`` the skinny
@@ -6,8 +7,11 @@ GEMM's panels (where the compiler targets AVX512-BF16). This times, for the real
 shapes (SmolLM2-135M: q/k/v fused, o, gate/up fused, down), every copy at row counts from decode
 batches to prefill chunks, and prints the median milliseconds of one layer's linears (casts and
 row padding included, as the engine runs them; a step runs 30 such layers) with the
-float32 / bfloat16 ratio of each kernel. The LM head is left out: it reads only the rows that
-sample, one per sequence. Weights are random: timing only.
+float32 / bfloat16 ratio of each kernel. Where the CPU has AVX512-VNNI it adds the int8 integer
+GEMM (``prefill_dtype=decode_dtype=int8``, engine/integer_gemm.py) on the same weights as Q4_1
+blocks, every row count (as the engine sends it up to 4,096 rows), and bfloat16 oneDNN / int8.
+The LM head is left out: it reads only the rows that sample, one per sequence. Weights are
+random: timing only.
 
     python -m experiments.bench.linear_dtype --rows 1 8 32 128 256 1024 --repeats 7
 """
@@ -19,8 +23,12 @@ from functools import partial
 
 import torch
 
+import numpy as np
+
+from engine.integer_gemm import IntegerGemm, int8_supported
 from engine.skinny_gemm import SkinnyGemm, bf16_supported
 from engine.weight_copies import onednn_bf16_supported, packed_linear, prepack_weight
+from experiments.bench.quantized import random_blocks
 from experiments.bench.roofline import seconds_per_call
 
 # [out, in] of one SmolLM2-135M decoder layer's projections, fused as the engine fuses them
@@ -47,7 +55,13 @@ def main() -> None:
     variants["float32 oneDNN"] = [partial(packed_linear, packed=prepack_weight(w), bias=None) for w in weights]
     variants["bfloat16 oneDNN"] = [partial(packed_linear, packed=prepack_weight(w, dtype=torch.bfloat16), bias=None)
                                    for w in weights]
-    ratios = [("float32 skinny GEMM", "bfloat16 skinny GEMM"), ("float32 oneDNN", "bfloat16 oneDNN")]
+    if int8_supported():
+        int8 = IntegerGemm(prefill=True, activation_bits=8)
+        rng = np.random.default_rng(0)
+        variants["int8 integer GEMM"] = [partial(int8.linear, weight=int8.pack(random_blocks(rng, w.shape, "Q4_1")[0], "Q4_1", w.shape[1]),
+                                                 bias=None) for w in weights]
+    ratios = [("float32 skinny GEMM", "bfloat16 skinny GEMM"), ("float32 oneDNN", "bfloat16 oneDNN"),
+              ("bfloat16 oneDNN", "int8 integer GEMM")]
     ratios = [(f32, bf16) for f32, bf16 in ratios if bf16 in variants]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; ms for one layer's linears, "
           f"median of {args.repeats}")
