@@ -35,39 +35,27 @@
 #include <stdlib.h>
 
 #include "common.h"
+#include "gguf_blocks.h"
 
 /* Built without AVX512-VNNI in the compiler's target (-march=native on a CPU without it), the file
  * holds only int8_gemm_supported(), which returns 0, and the engine keeps its other kernels. */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 int64_t int8_gemm_supported(void) { return 1; }
 
-#define QK 32        /* weights per GGUF block */
 #define QUADS 8      /* k-quads per block */
 #define NC 48        /* output columns per panel */
 #define NV 3         /* 16-lane vectors per panel row */
 #define TILE 4       /* rows per register tile */
-#define GGML_Q4_1 3  /* ggml_type ids, as in the GGUF file */
-#define GGML_Q8_0 8
-#define Q4_1_BYTES 20
-#define Q8_0_BYTES 34
 #define PANEL_BLOCK_BYTES (2 * NC * sizeof(float) + QUADS * NC * 4)
 
 /* Most rows of a decode batch the engine gives this kernel: as the int16 kernel's (int_gemm.c);
  * prompt steps up to PREFILL_MAX_ROWS (engine/integer_gemm.py) take it with prefill_dtype=int8. */
 int64_t int8_gemm_max_rows(void) { return 32; }
 
-static int64_t block_bytes(int64_t type) { return type == GGML_Q4_1 ? Q4_1_BYTES : type == GGML_Q8_0 ? Q8_0_BYTES : 0; }
-
 /* Bytes of the packed weight (0: unsupported type or K not a multiple of 32). */
 int64_t int8_packed_bytes(int64_t type, int64_t n, int64_t k) {
     if (block_bytes(type) == 0 || k % QK != 0) return 0;
     return (n + NC - 1) / NC * (k / QK) * (int64_t)PANEL_BLOCK_BYTES;
-}
-
-static float half_to_float(const uint8_t *p) {
-    uint16_t bits;
-    memcpy(&bits, p, sizeof bits);
-    return _cvtsh_ss(bits);
 }
 
 /* raw: the GGUF tensor, n rows of k / 32 blocks; packed: int8_packed_bytes(type, n, k) bytes.

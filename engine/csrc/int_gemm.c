@@ -34,20 +34,16 @@
 #include <stdlib.h>
 
 #include "common.h"
+#include "gguf_blocks.h"
 
 #if !(defined(__AVX2__) && defined(__FMA__))
 #error "int_gemm.c needs AVX2 and FMA"
 #endif
 
-#define QK 32        /* weights per GGUF block */
 #define PAIRS 16     /* k-pairs per block */
 #define NC 24        /* output columns per panel */
 #define NV 3         /* 8-lane vectors per panel row */
 #define CHUNK 48     /* rows whose float32 sums stay in L1 per panel (a multiple of 3: tiles do not straddle) */
-#define GGML_Q4_1 3  /* ggml_type ids, as in the GGUF file */
-#define GGML_Q8_0 8
-#define Q4_1_BYTES 20
-#define Q8_0_BYTES 34
 #define PANEL_BLOCK_BYTES (2 * NC * sizeof(float) + PAIRS * NC * 2 * sizeof(int16_t))
 
 /* Most rows of a decode batch the engine gives this kernel: the AVX2 skinny GEMM's limit (gemm.c);
@@ -56,18 +52,10 @@
  * prefill_dtype=int16 (docs/decisions.md, decision 20). */
 int64_t int_gemm_max_rows(void) { return 32; }
 
-static int64_t block_bytes(int64_t type) { return type == GGML_Q4_1 ? Q4_1_BYTES : type == GGML_Q8_0 ? Q8_0_BYTES : 0; }
-
 /* Bytes of the packed weight (0: unsupported type or K not a multiple of 32). */
 int64_t int_packed_bytes(int64_t type, int64_t n, int64_t k) {
     if (block_bytes(type) == 0 || k % QK != 0) return 0;
     return (n + NC - 1) / NC * (k / QK) * (int64_t)PANEL_BLOCK_BYTES;
-}
-
-static float half_to_float(const uint8_t *p) {
-    uint16_t bits;
-    memcpy(&bits, p, sizeof bits);
-    return _cvtsh_ss(bits);
 }
 
 /* raw: the GGUF tensor, n rows of k / 32 blocks; packed: int_packed_bytes(type, n, k) bytes.

@@ -30,6 +30,7 @@
  */
 #include <stdlib.h>
 
+#include "gguf_blocks.h"
 #include "lanes.h"
 
 /* The vector type, its FMA and broadcast come from lanes.h (LANES = 16 with AVX-512, 8 with AVX2);
@@ -52,17 +53,9 @@ static inline vf to_float(vi q) { return (vf)_mm256_cvtepi32_ps((__m256i)q); }
 #error "quant_gemm.c needs AVX-512, or AVX2 with F16C and FMA"
 #endif
 
-#define QK 32            /* weights per GGUF block */
-#define GGML_Q4_1 3      /* ggml_type ids, as in the GGUF file */
-#define GGML_Q8_0 8
-#define Q4_1_BYTES 20
-#define Q8_0_BYTES 34
-
 /* Most rows for which this kernel measured faster than the float32 skinny GEMM (gemm.c) on the
  * 30 layers' shapes of SmolLM2-135M with weights streamed from memory (docs/quantized_weights.md). */
 int64_t quant_gemm_max_rows(void) { return LANES == 16 ? 14 : 4; }
-
-static int64_t block_bytes(int64_t type) { return type == GGML_Q4_1 ? Q4_1_BYTES : type == GGML_Q8_0 ? Q8_0_BYTES : 0; }
 
 /* Bytes of the packed weight (0: unsupported type or K not a multiple of 32). */
 int64_t quant_packed_bytes(int64_t type, int64_t n, int64_t k) {
