@@ -25,8 +25,10 @@ activations rounded to int16 (:mod:`engine.integer_gemm`, decision 20; ``auto`` 
 CPU without bfloat16 dot products and without AVX-512, and ``prefill_dtype=auto`` with it), or
 ``int8``, the same with int8 activations on AVX512-VNNI (opt-in, decision 22); and
 ``kv_cache_dtype`` the KV cache's dtype, the model's or bfloat16 (decision 21; ``auto`` takes
-bfloat16 beside bfloat16 prompt steps, with an attention backend that reads it): the three options
-that change what a step computes. ``cuda_graphs`` is applied later, by the runner. What was
+bfloat16 beside bfloat16 prompt steps, with an attention backend that reads it); and
+``prefill_attention_dtype`` the arithmetic of long prompt chunks' attention over that cache, the
+float32 C kernel's or bfloat16 flash attention (decision 23; ``auto`` takes bfloat16 on AMX): the
+four options that change what a step computes. ``cuda_graphs`` is applied later, by the runner. What was
 applied (:class:`AppliedOptions`) is what the engine reports and every run records
 (``summary.json``'s ``environment``).
 """
@@ -72,6 +74,7 @@ class PerformanceOptions:
     prefill_dtype: str = "float32"  # float32 | bfloat16 | int16 | int8 | auto: arithmetic of steps of many rows (oneDNN copies' dtype, or the integer GEMM)
     decode_dtype: str = "float32"  # float32 | bfloat16 | int16 | int8 | auto: arithmetic of decode-sized steps (skinny GEMM panels, or the integer GEMM)
     kv_cache_dtype: str = "model"  # model | bfloat16 | auto: the KV cache's dtype (model: the model's own)
+    prefill_attention_dtype: str = "float32"  # float32 | bfloat16 | auto: arithmetic of prompt chunks' attention over a bfloat16 cache
 
 
 #: With bfloat16 oneDNN copies on a CPU with AMX, the skinny GEMM serves at most this many rows:
@@ -93,6 +96,7 @@ class AppliedOptions:
     prefill_dtype: str  # arithmetic of prompt steps: the oneDNN copies' dtype ("float32" or "bfloat16"; "float32" when not prepacked), or "int16" / "int8" (the integer GEMM, up to its row limit)
     decode_dtype: str  # arithmetic of decode-sized steps: the skinny GEMM's panels' dtype ("float32" or "bfloat16"), or "int16" / "int8" (the integer GEMM)
     kv_cache_dtype: str  # the KV cache's dtype ("float32", "bfloat16", ...)
+    prefill_attention_dtype: str  # arithmetic of long prompt chunks' attention: "float32" (the C kernel) or "bfloat16" (flash attention)
     skinny_gemm_max_rows: int  # linears of at most this many rows take the skinny GEMM (0: none)
     skinny_gemm_tile_rows: int  # rows of the skinny GEMM's full register tile (0: no skinny GEMM)
     onednn_row_buckets: int  # prepacked linears pad rows to this many buckets per octave (0: no padding)
@@ -152,11 +156,13 @@ def apply_performance_options(
     kept_freed_memory = _keep_freed_memory(device, options.keep_freed_memory)
     integer_rows = quantized["integer_max_rows"] if quantized is not None else 0
     prefill_dtype = quantized["integer_dtype"] if integer_rows >= PREFILL_MAX_ROWS else str(packed_dtype).removeprefix("torch.")
+    kv_cache_dtype = _kv_cache_dtype(options.kv_cache_dtype, device, dtype, prefill_dtype, attention)
     return AppliedOptions(
         prepacked=prepacked,
         prefill_dtype=prefill_dtype,
         decode_dtype=quantized["integer_dtype"] if integer_rows else str(panel_dtype).removeprefix("torch."),
-        kv_cache_dtype=str(_kv_cache_dtype(options.kv_cache_dtype, device, dtype, prefill_dtype, attention)).removeprefix("torch."),
+        kv_cache_dtype=str(kv_cache_dtype).removeprefix("torch."),
+        prefill_attention_dtype=_prefill_attention_dtype(options.prefill_attention_dtype, kv_cache_dtype, attention),
         skinny_gemm_max_rows=skinny_gemm.max_rows if skinny_gemm is not None else 0,
         skinny_gemm_tile_rows=skinny_gemm.tile_rows if skinny_gemm is not None else 0,
         onednn_row_buckets=ONEDNN_BUCKETS_PER_OCTAVE if prepacked else 0,
@@ -231,6 +237,24 @@ def _kv_cache_dtype(value: str, device: torch.device, dtype: torch.dtype, prefil
     if value == "bfloat16" or (value == "auto" and readable and prefill_dtype in ("bfloat16", "int8")):
         return torch.bfloat16
     return dtype
+
+
+def _prefill_attention_dtype(value: str, kv_cache_dtype: torch.dtype, attention: AttentionBackend) -> str:
+    """The arithmetic of long prompt chunks' attention, applied to ``attention``: ``float32`` keeps
+    the C kernel for every row; ``bfloat16`` gives the chunks that
+    :class:`~strategies.attention.bf16_prompt_attention.PromptSplit` takes to torch's flash-attention
+    kernel in bfloat16 (needs a bfloat16 KV cache and ``cpu_paged``); ``auto`` takes bfloat16 there
+    on a CPU with AMX, where it measured 1.1-3.1x faster per chunk (decision 23), float32 elsewhere."""
+    if value not in ("float32", "bfloat16", "auto"):
+        raise ValueError(f"prefill_attention_dtype must be float32, bfloat16 or auto, got {value!r}")
+    supported = kv_cache_dtype == torch.bfloat16 and hasattr(attention, "use_bf16_prompt_attention")
+    if value == "bfloat16" and not supported:
+        raise ValueError(f"prefill_attention_dtype=bfloat16 needs kv_cache_dtype bfloat16 and attention cpu_paged; "
+                         f"got a {str(kv_cache_dtype).removeprefix('torch.')} cache and attention={attention.name}")
+    if value == "bfloat16" or (value == "auto" and supported and onednn_amx_supported()):
+        attention.use_bf16_prompt_attention()
+        return "bfloat16"
+    return "float32"
 
 
 def _quantized_weights(

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from native_builds import without_avx512
 from engine.attention_metadata import AttentionMetadata
 from engine.interfaces.attention import AttentionBackend
+from strategies.attention.bf16_prompt_attention import PromptSplit
 from strategies.attention.cpu_paged import KERNEL_NAMES, CpuPagedBackend
 from strategies.attention.eager import EagerBackend
 from strategies.attention.torch_sdpa import TorchSDPABackend
@@ -221,6 +222,36 @@ def test_cpu_paged_over_a_bfloat16_cache(tmp_path) -> None:
             out32 = backend.forward(step.query, step.key.bfloat16().float(), step.value.bfloat16().float(),
                                     step.k_cache.float(), step.v_cache.float(), md, step.scale)
             assert torch.equal(out16, out32), name
+
+
+def test_cpu_paged_bf16_prompt_attention() -> None:
+    """``use_bf16_prompt_attention``: over a bfloat16 cache, the sequences the split takes (prompt
+    chunks from the start and after a cached context, which need the offset causal mask, among decode
+    rows and a short chunk) attend in bfloat16 within bfloat16 tolerance of the float64 reference;
+    the sequences it leaves get bit for bit the C kernel's output; every new K/V is written once,
+    rounded as torch rounds (``check_backend``'s cache comparison)."""
+    seqs = [(0, 40), (9, 1), (30, 20), (5, 1), (0, 3), (100, 17), (2, 1)]
+    split = PromptSplit(min_rows=4, min_pairs=64)
+    taken = [split.takes(q, c + q) for c, q in seqs]
+    assert taken == [True, False, True, False, False, True, False]
+    step = make_step(seqs, 16, 9, 3, head_dim=64, seed=5, cache_dtype=torch.bfloat16)
+    backend = CpuPagedBackend()
+    backend.use_bf16_prompt_attention(split)
+    check_backend(backend, step, atol=3e-2)
+    md = step.metadata
+    out = backend.forward(step.query, step.key, step.value, step.k_cache.clone(), step.v_cache.clone(), md, step.scale)
+    md.step_cache.clear()
+    kernel_out = CpuPagedBackend().forward(step.query, step.key, step.value, step.k_cache.clone(), step.v_cache.clone(),
+                                           md, step.scale)
+    for seq, flash in enumerate(taken):
+        rows = slice(int(md.query_start_loc[seq]), int(md.query_start_loc[seq + 1]))
+        assert torch.equal(out[rows], kernel_out[rows]) != flash, seq  # the bfloat16 rows really are another computation
+    float32_step = make_step(seqs, 16, 9, 3, head_dim=64, seed=5)  # a float32 cache: the C kernel for every row
+    assert torch.equal(backend.forward(float32_step.query, float32_step.key, float32_step.value, float32_step.k_cache,
+                                       float32_step.v_cache, float32_step.metadata, float32_step.scale),
+                       CpuPagedBackend().forward(float32_step.query, float32_step.key, float32_step.value,
+                                                 float32_step.k_cache.clone(), float32_step.v_cache.clone(),
+                                                 float32_step.metadata, float32_step.scale))
 
 
 def test_cpu_paged_rejects_what_it_cannot_run() -> None:

@@ -9,8 +9,11 @@ which serve decode steps above the quantized GEMM's rows and the LM head's rows)
 ``decode_dtype=int16`` (the integer GEMM over the GGUF blocks, for CPUs without bfloat16 dot
 products), ``prefill_dtype=decode_dtype=int16`` (that GEMM for the prompt step too), the same
 with 8-bit activations (``int8``, AVX512-VNNI; alone and beside a bfloat16 KV cache) and
-``kv_cache_dtype=bfloat16`` (float32 compute over K/V stored in bfloat16);
-``--variants`` picks which to run. On a set of real
+``kv_cache_dtype=bfloat16`` (float32 compute over K/V stored in bfloat16), alone and with
+``prefill_attention_dtype=bfloat16`` (long prompts' attention in bfloat16 flash attention);
+``--variants`` picks which to run. The questions are short (30-40 tokens); ``--context-tokens N``
+puts N tokens of the bundled sample conversations (a different window for each question) before
+each, so that the prompts' attention is long enough for ``prefill_attention_dtype`` to take it. On a set of real
 questions, each through the chat template, it prints per prompt the max and mean absolute logit
 difference from float32 of the first step (all prompts in one step of a few hundred rows: the
 oneDNN path) and of the next step (one decode row per prompt, fed float32's first token: the
@@ -18,15 +21,18 @@ skinny GEMM's path), whether the next token agrees, and how many of ``--tokens``
 agree before the first difference.
 
     python -m experiments.bench.bf16_accuracy --tokens 32
+    python -m experiments.bench.bf16_accuracy --tokens 32 --context-tokens 600
 """
 from __future__ import annotations
 
 import argparse
+import json
 
 import torch
 
 from engine import LLM, SamplingParams
 from engine.tokenizer import encode_chat
+from experiments.harness.datasets import SAMPLE_DATASET
 
 PROMPTS = [
     "What is the capital of France?", "Explain photosynthesis in one sentence.",
@@ -61,13 +67,29 @@ def two_step_logits(llm: LLM, prompts: list[list[int]], first_tokens: list[int])
     return captured[0], captured[1]
 
 
+def with_context(tokenizer, questions: list[str], context_tokens: int) -> list[str]:
+    """Each question after ``context_tokens`` tokens of the bundled sample conversations' text, a
+    window shifted by an equal step per question (the questions alone when 0)."""
+    if context_tokens <= 0:
+        return list(questions)
+    conversations = json.loads(SAMPLE_DATASET.read_text())
+    document = tokenizer.encode(" ".join(turn["value"] for entry in conversations for turn in entry["conversations"]))
+    if len(document) < context_tokens:
+        raise ValueError(f"--context-tokens {context_tokens}: the sample conversations hold {len(document)} tokens")
+    stride = (len(document) - context_tokens) // max(1, len(questions) - 1)
+    return [f"{tokenizer.decode(document[i * stride: i * stride + context_tokens])}\n\n{question}"
+            for i, question in enumerate(questions)]
+
+
 VARIANTS = {  # name: LLM keyword arguments beside the reference's
     "prefill_dtype=bfloat16": {"prefill_dtype": "bfloat16"},
     "decode_dtype=bfloat16": {"decode_dtype": "bfloat16"},
     "prefill_dtype=decode_dtype=bfloat16": {"prefill_dtype": "bfloat16", "decode_dtype": "bfloat16"},
     "kv_cache_dtype=bfloat16": {"kv_cache_dtype": "bfloat16"},  # K/V stored rounded to bfloat16, float32 compute
-    "prefill_dtype=decode_dtype=kv_cache_dtype=auto (run.py's and serve.py's default)":
-        {"prefill_dtype": "auto", "decode_dtype": "auto", "kv_cache_dtype": "auto"},
+    "kv_cache_dtype=prefill_attention_dtype=bfloat16":  # and long prompts' attention in bfloat16
+        {"kv_cache_dtype": "bfloat16", "prefill_attention_dtype": "bfloat16"},
+    "every dtype option auto (run.py's and serve.py's default)":
+        {"prefill_dtype": "auto", "decode_dtype": "auto", "kv_cache_dtype": "auto", "prefill_attention_dtype": "auto"},
     "dtype=bfloat16": {"dtype": "bfloat16"},
     "decode_dtype=int16": {"decode_dtype": "int16"},  # the integer GEMM (CPUs without bfloat16 dot products)
     "prefill_dtype=decode_dtype=int16": {"prefill_dtype": "int16", "decode_dtype": "int16"},  # and for prompt steps
@@ -82,12 +104,16 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32, help="greedy tokens generated per prompt")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
                         help="which variants to compare (the bfloat16 ones need AVX512-BF16 or AMX)")
+    parser.add_argument("--context-tokens", type=int, default=0,
+                        help="tokens of the bundled sample conversations before each question (0: the questions alone)")
     args = parser.parse_args()
     # one unchunked step holds every prompt whole, so each row is its prompt's last position
-    common = dict(device="cpu", max_num_batched_tokens=4096, chunked_prefill=False)
+    common = dict(device="cpu", max_num_batched_tokens=max(4096, len(PROMPTS) * (args.context_tokens + 64)),
+                  chunked_prefill=False)
     reference = LLM(dtype="float32", **common)
     engines = {name: LLM(**{"dtype": "float32", **common, **options}) for name, options in VARIANTS.items() if name in args.variants}
-    prompts = [encode_chat(reference.tokenizer, [{"role": "user", "content": text}]) for text in PROMPTS]
+    prompts = [encode_chat(reference.tokenizer, [{"role": "user", "content": text}])
+               for text in with_context(reference.tokenizer, PROMPTS, args.context_tokens)]
     params = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
     ref_tokens = [o.token_ids for o in reference.generate(prompts, params)]
     ref_logits = two_step_logits(reference, prompts, [tokens[0] for tokens in ref_tokens])

@@ -89,6 +89,7 @@ def _own_options(engine: Any) -> dict[str, Any]:
         "prefill_dtype": getattr(engine, "prefill_dtype", None),  # arithmetic of steps of many rows (prepacked copies dtype, or int16)
         "decode_dtype": getattr(engine, "decode_dtype", None),  # arithmetic of decode-sized steps (panels dtype, or int16)
         "kv_cache_dtype": getattr(engine, "kv_cache_dtype", None),  # the KV cache's dtype
+        "prefill_attention_dtype": getattr(engine, "prefill_attention_dtype", None),  # long prompt chunks' attention arithmetic
         "skinny_gemm_max_rows": getattr(engine, "skinny_gemm_max_rows", None),  # few-row GEMM path (simulator calibration)
         "skinny_gemm_tile_rows": getattr(engine, "skinny_gemm_tile_rows", None),  # its register tile (simulator calibration)
         "onednn_row_buckets": getattr(engine, "onednn_row_buckets", None),  # row padding of prepacked linears (same)

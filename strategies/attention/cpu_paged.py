@@ -37,6 +37,8 @@ from engine import native
 from engine.attention_metadata import AttentionMetadata
 from engine.model_config import ModelConfig
 from engine.native_layers import NativeAttention
+from strategies.attention import bf16_prompt_attention
+from strategies.attention.bf16_prompt_attention import PromptSplit
 
 _MAX_HEAD_DIM = 256  # csrc/paged_attention.c: MAX_HEAD_DIM
 _MAX_HEADS = 64  # csrc/paged_attention.c: MAX_VECTORS (query vectors of one work item)
@@ -82,6 +84,7 @@ class CpuPagedBackend:
     name = "cpu_paged"
     attention_pairs = "causal"  # each query row reads its own context only
     kv_cache_dtypes = tuple(KERNEL_NAMES)  # the cache dtypes its kernels read
+    bf16_prompts: PromptSplit | None = None  # prompt chunks that attend in bfloat16 over a bfloat16 cache (None: none)
 
     def __init__(self) -> None:
         for name in KERNEL_NAMES.values():  # built now: a missing compiler fails at startup
@@ -105,21 +108,43 @@ class CpuPagedBackend:
         query row up to its causal end) -> ``[T, Hq, D]``."""
         query, key, value = self.checked_inputs(query, key, value, k_cache, v_cache)
         num_tokens, num_heads, head_dim = query.shape
-        num_kv_heads = k_cache.shape[2]
+        out = torch.empty(num_tokens, num_heads, head_dim, dtype=query.dtype)
+        split = self.bf16_prompts
+        if split is None or k_cache.dtype != torch.bfloat16 or metadata.max_query_len < split.min_rows:
+            self._run_kernel(query, key, value, k_cache, v_cache, metadata, scale, out, (0, metadata.num_seqs), num_tokens)
+            return out
+        prompt_plan = metadata.cached(("cpu_paged.bf16_prompts", split), lambda: bf16_prompt_attention.plan(metadata, split))
+        for index, seqs in enumerate(prompt_plan.kernel_runs or ((0, 0),)):  # the first call writes every new K/V
+            self._run_kernel(query, key, value, k_cache, v_cache, metadata, scale, out, seqs, num_tokens if index == 0 else 0)
+        for chunk in prompt_plan.chunks:
+            bf16_prompt_attention.attend(query, k_cache, v_cache, chunk, scale, out)
+        return out
+
+    def use_bf16_prompt_attention(self, split: PromptSplit = PromptSplit()) -> None:
+        """Attend the prompt chunks that ``split`` takes over a bfloat16 cache in bfloat16, through
+        torch's flash-attention kernel (:mod:`strategies.attention.bf16_prompt_attention`); the C
+        kernel keeps the other sequences and every float32 cache. Set by ``prefill_attention_dtype``."""
+        self.bf16_prompts = split
+
+    def _run_kernel(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, metadata: AttentionMetadata, scale: float, out: torch.Tensor,
+                    seqs: tuple[int, int], write_tokens: int) -> None:
+        """The C kernel: write the first ``write_tokens`` new K/V rows, then attend sequences ``seqs``
+        (a ``[first, last)`` range) into ``out``."""
+        num_heads, head_dim = query.shape[1:]
         slot_mapping, block_tables, context_lens, query_start_loc = metadata.cached(
             "cpu_paged.ints", lambda: _kernel_ints(metadata)
         )
-        out = torch.empty(num_tokens, num_heads, head_dim, dtype=query.dtype)
+        first, last = seqs
         status = self.kernel(k_cache.dtype)(
             query.data_ptr(), query.stride(0), key.data_ptr(), value.data_ptr(), key.stride(0),
-            slot_mapping.data_ptr(), num_tokens, k_cache.data_ptr(), v_cache.data_ptr(),
-            block_tables.data_ptr(), block_tables.stride(0), context_lens.data_ptr(), query_start_loc.data_ptr(),
-            metadata.num_seqs, num_heads, num_kv_heads, head_dim, metadata.block_size,
-            scale, out.data_ptr(), out.stride(0), None,
+            slot_mapping.data_ptr(), write_tokens, k_cache.data_ptr(), v_cache.data_ptr(),
+            block_tables[first:].data_ptr(), block_tables.stride(0), context_lens[first:].data_ptr(),
+            query_start_loc[first:].data_ptr(), last - first, num_heads, k_cache.shape[2], head_dim,
+            metadata.block_size, scale, out.data_ptr(), out.stride(0), None,
         )
         if status != 0:
             raise RuntimeError(f"{self.name} kernel failed with status {status}")
-        return out
 
     def native_attention(self, metadata: AttentionMetadata, model_config: ModelConfig,
                          kv_cache_dtype: torch.dtype) -> NativeAttention:
