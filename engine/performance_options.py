@@ -53,6 +53,7 @@ from engine.native import NativeKernelUnavailable
 from engine.native_layers import NativeLayers
 from engine.quantized_gemm import QuantizedGemm
 from engine.skinny_gemm import SkinnyGemm
+from engine.skinny_gemm import amx_supported as skinny_amx_supported
 from engine.skinny_gemm import bf16_supported as skinny_bf16_supported
 from engine.weight_copies import (
     ONEDNN_BUCKETS_PER_OCTAVE,
@@ -77,7 +78,8 @@ class PerformanceOptions:
     prefill_attention_dtype: str = "float32"  # float32 | bfloat16 | auto: arithmetic of prompt chunks' attention over a bfloat16 cache
 
 
-#: With bfloat16 oneDNN copies on a CPU with AMX, the skinny GEMM serves at most this many rows:
+#: With bfloat16 oneDNN copies on a CPU with AMX and panels that do not run on AMX tiles (float32
+#: panels, or a compiler without AMX), the skinny GEMM serves at most this many rows:
 #: oneDNN's AMX matmuls are faster above it (one SmolLM2 layer's linears, Xeon with AMX, 2 cores,
 #: 2026-12-06 23:22 UTC: 0.35 ms at 12 rows against 0.46 / 0.52 ms for the bfloat16 / float32
 #: panels, 0.43 against 1.18 / 1.02 ms at 32; the panels are faster up to 8; docs/decisions.md,
@@ -186,13 +188,17 @@ def _prepack(
     if not enabled:
         _reduced_dtype("decode_dtype", options.decode_dtype, False, False, panel_requirement)
         return False, None, packed_dtype
-    # With AMX, bfloat16 oneDNN copies take the decode batches above a few rows, and the few-row
-    # steps are the quantized GEMM's beside float32 panels: there `auto` keeps the panels float32.
-    amx = packed_dtype == torch.bfloat16 and onednn_amx_supported()
+    # With AMX, bfloat16 panels run on AMX tiles where that kernel builds (faster than oneDNN's AMX
+    # copies up to 128 rows, decision 24). Without it, bfloat16 oneDNN copies take the decode
+    # batches above a few rows, and the few-row steps are the quantized GEMM's beside float32
+    # panels: there `auto` keeps the panels float32.
+    amx_panels = skinny_amx_supported()
+    amx_onednn = packed_dtype == torch.bfloat16 and onednn_amx_supported()
     try:
         panel_dtype = _reduced_dtype("decode_dtype", options.decode_dtype, True, skinny_bf16_supported(), panel_requirement,
-                                     auto_takes_bf16=not amx)
-        skinny_gemm = SkinnyGemm(panel_dtype, row_limit=SKINNY_ROWS_BESIDE_AMX if amx else None)
+                                     auto_takes_bf16=amx_panels or not amx_onednn)
+        amx = panel_dtype == torch.bfloat16 and amx_panels
+        skinny_gemm = SkinnyGemm(panel_dtype, row_limit=SKINNY_ROWS_BESIDE_AMX if amx_onednn and not amx else None, amx=amx)
     except NativeKernelUnavailable as error:  # oneDNN packing alone still pays
         warnings.warn(f"prepack: {error}; few-row matmuls use oneDNN instead of the skinny GEMM", stacklevel=3)  # the caller of apply_performance_options
         skinny_gemm = None

@@ -12,9 +12,12 @@ measured for the build's tile: 128 with AVX-512, 32 with AVX2) and oneDNN above.
 Two builds of the same kernel: ``SkinnyGemm()`` keeps the panels in float32 (``engine/csrc/gemm.c``),
 ``SkinnyGemm(torch.bfloat16)`` in bfloat16 pairs and multiplies them with AVX512-BF16's dot-product
 instruction (``engine/csrc/gemm_bf16.c``): half the weight bytes per step, twice the multiply-adds
-per instruction, with x and W rounded to bfloat16 (docs/decisions.md, decision 19). Inputs and
-outputs are float32 CPU tensors in both; compiled on first use like the other C kernels
-(``engine/native.py``).
+per instruction, with x and W rounded to bfloat16 (docs/decisions.md, decision 19). On a CPU with
+AMX, ``SkinnyGemm(torch.bfloat16, amx=True)`` multiplies the same bfloat16 panels on AMX's tile
+unit instead (``engine/csrc/gemm_amx.c``: 16-row tiles, 8,192 multiply-adds per instruction), the
+same products summed in another order; it beat both the AVX512-BF16 panels and oneDNN's bfloat16
+copies from 8 to 128 rows (decision 24). Inputs and outputs are float32 CPU tensors in every
+build; compiled on first use like the other C kernels (``engine/native.py``).
 """
 from __future__ import annotations
 
@@ -36,14 +39,25 @@ def bf16_supported() -> bool:
         return False
 
 
+def amx_supported() -> bool:
+    """Whether the AMX build exists here and this process may use AMX state: the compiler targets
+    AMX (``-march=native`` on a CPU with amx_tile and amx_bf16) and the kernel grants the request.
+    ``False`` where the C kernels cannot be built at all."""
+    try:
+        return bool(native.function("gemm_amx", "gemm_amx_supported", [], _I64)())
+    except native.NativeKernelUnavailable:
+        return False
+
+
 class SkinnyGemm:
     """``pack`` a weight once, then ``linear(x, packed, bias, out_features)`` = ``x @ W.T + b``;
     ``dtype``: the panels' dtype (float32, or bfloat16 where :func:`bf16_supported`);
     ``max_rows``: the most rows for which this build beats oneDNN (larger inputs should not use it),
     lowered to ``row_limit`` where one is given (a faster oneDNN copy above it, e.g. bfloat16 on AMX);
-    ``tile_rows``: rows of its full register tile (8 with AVX-512, 4 with AVX2)."""
+    ``tile_rows``: rows of its full register tile (8 with AVX-512, 4 with AVX2; 16, a tile's rows, with AMX);
+    ``amx``: bfloat16 panels multiplied on AMX tiles (where :func:`amx_supported`)."""
 
-    def __init__(self, dtype: torch.dtype = torch.float32, row_limit: int | None = None) -> None:
+    def __init__(self, dtype: torch.dtype = torch.float32, row_limit: int | None = None, amx: bool = False) -> None:
         if dtype == torch.bfloat16:
             if not bf16_supported():
                 raise ValueError("the bfloat16 skinny GEMM needs a CPU (and compiler target) with AVX512-BF16")
@@ -52,16 +66,20 @@ class SkinnyGemm:
             library, suffix, max_rows = "gemm", "f32", "gemm_max_rows"
         else:
             raise ValueError(f"the skinny GEMM's panels are float32 or bfloat16, not {dtype}")
-        self.dtype = dtype
+        if amx and (dtype != torch.bfloat16 or not amx_supported()):
+            raise ValueError(f"the AMX skinny GEMM needs bfloat16 panels and a CPU (and compiler target) with AMX "
+                             f"(panels {dtype}, AMX: {amx_supported()})")
+        self.dtype, self.amx = dtype, amx
         if row_limit is not None and row_limit < 1:
             raise ValueError(f"row_limit must be >= 1, got {row_limit}")
-        build_max_rows = native.function(library, max_rows, [], _I64)()
+        gemm_library, gemm_name = ("gemm_amx", "gemm_packed_bf16_amx") if amx else (library, f"gemm_packed_{suffix}")
+        build_max_rows = native.function(*(("gemm_amx", "gemm_amx_max_rows") if amx else (library, max_rows)), [], _I64)()
         self.max_rows: int = build_max_rows if row_limit is None else min(build_max_rows, row_limit)
-        self.tile_rows: int = native.function("gemm", "gemm_tile_rows", [], _I64)()
+        self.tile_rows: int = 16 if amx else native.function("gemm", "gemm_tile_rows", [], _I64)()
         numel_name = "packed_weight_numel" if dtype == torch.float32 else "packed_weight_numel_bf16"
         self._numel = native.function(library, numel_name, [_I64, _I64], _I64)
         self._pack = native.function(library, f"pack_weight_{suffix}", [_P, _I64, _I64, _P])
-        self._gemm = native.function(library, f"gemm_packed_{suffix}", [_P, _I64, _I64, _I64, _P, _P, _I64, _P])
+        self._gemm = native.function(gemm_library, gemm_name, [_P, _I64, _I64, _I64, _P, _P, _I64, _P])
         self.address: int = ctypes.cast(self._gemm, ctypes.c_void_p).value  # for C callers (engine.native_layers)
 
     def packed_numel(self, out_features: int, in_features: int) -> int:

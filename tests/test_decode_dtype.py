@@ -8,6 +8,8 @@
   keeps larger steps on the float32 oneDNN copies (the two options are independent); a decode
   step's logits are close to float32's, not equal.
 * Beside bfloat16 panels the quantized GEMM serves fewer rows (the measured crossover).
+* On a CPU with AMX the bfloat16 panels run on AMX tiles (engine/csrc/gemm_amx.c): the same
+  bfloat16-rounded product for every tile and edge; a build without AMX says so.
 * The option's values: float32 by default, ``auto`` by the CPU, clear errors where it cannot apply.
 The accuracy on the real model and the speed are measured, not tested (docs/decisions.md, decision 19).
 """
@@ -23,7 +25,7 @@ import torch.nn.functional as F
 
 from engine import LLM, SamplingParams, native, performance_options
 from engine.quantized_gemm import MAX_ROWS_BESIDE_BF16_PANELS, QuantizedGemm
-from engine.skinny_gemm import SkinnyGemm, bf16_supported
+from engine.skinny_gemm import SkinnyGemm, amx_supported, bf16_supported
 from engine.weight_copies import onednn_linear_supported
 from gguf import GGMLQuantizationType
 from gguf_writer import write_gguf
@@ -159,21 +161,75 @@ def test_decode_dtype_values_and_errors(tiny_llama_ckpt, monkeypatch):
 
 
 @needs_bf16_panels
-def test_beside_bf16_copies_on_amx_auto_keeps_float32_panels_for_few_rows(tiny_llama_ckpt, monkeypatch):
-    """With AMX, oneDNN's bfloat16 copies take every step above SKINNY_ROWS_BESIDE_AMX rows and
-    ``decode_dtype=auto`` keeps the panels float32; without AMX the panels are bfloat16 and serve
-    their build's rows. An explicit ``decode_dtype=bfloat16`` is honoured on both."""
+def test_beside_bf16_copies_on_amx_the_panels_follow_the_amx_kernel(tiny_llama_ckpt, monkeypatch):
+    """With AMX and the AMX panel kernel, ``decode_dtype=auto`` takes bfloat16 panels on AMX tiles
+    for every decode-sized step (its build's rows; whole layers in C up to them). With AMX but
+    without that kernel, oneDNN's bfloat16 copies take every step above SKINNY_ROWS_BESIDE_AMX rows
+    and ``auto`` keeps the panels float32. Without AMX the panels are bfloat16 (AVX512-BF16) and
+    serve their build's rows. An explicit ``decode_dtype=bfloat16`` is honoured in every case."""
     if not performance_options.onednn_bf16_supported():
         pytest.skip("needs bfloat16 dot products in oneDNN")
-    for amx in (True, False):
+    cases = [(True, False), (False, False)] + ([(True, True)] if amx_supported() else [])
+    for amx, amx_panels in cases:
         monkeypatch.setattr(performance_options, "onednn_amx_supported", lambda amx=amx: amx)
+        monkeypatch.setattr(performance_options, "skinny_amx_supported", lambda amx_panels=amx_panels: amx_panels)
         llm = build(tiny_llama_ckpt, prefill_dtype="bfloat16", decode_dtype="auto")
         assert llm.prefill_dtype == "bfloat16"
-        assert llm.decode_dtype == ("float32" if amx else "bfloat16")
-        assert llm.skinny_gemm_max_rows == (performance_options.SKINNY_ROWS_BESIDE_AMX if amx else SkinnyGemm().max_rows)
-        assert llm.model.layers[0].mlp.down_proj.skinny_max_rows == llm.skinny_gemm_max_rows
-        assert build(tiny_llama_ckpt, prefill_dtype="bfloat16", decode_dtype="bfloat16").decode_dtype == "bfloat16"
+        assert llm.decode_dtype == ("float32" if amx and not amx_panels else "bfloat16")
+        layer = llm.model.layers[0].mlp.down_proj
+        assert layer.skinny_gemm.amx == amx_panels
+        expected_rows = (performance_options.SKINNY_ROWS_BESIDE_AMX if amx and not amx_panels
+                         else SkinnyGemm(torch.bfloat16, amx=amx_panels).max_rows)
+        assert llm.skinny_gemm_max_rows == layer.skinny_max_rows == expected_rows
+        assert llm.model.native_layers.max_rows == expected_rows
+        explicit = build(tiny_llama_ckpt, prefill_dtype="bfloat16", decode_dtype="bfloat16")
+        assert explicit.decode_dtype == "bfloat16" and explicit.model.logits_head.skinny_gemm.amx == amx_panels
     # float32 copies: nothing faster above the panels' rows, whatever the CPU
+    monkeypatch.setattr(performance_options, "skinny_amx_supported", lambda: False)
     assert build(tiny_llama_ckpt, decode_dtype="auto").skinny_gemm_max_rows == SkinnyGemm().max_rows
     with pytest.raises(ValueError, match="row_limit must be >= 1"):
         SkinnyGemm(row_limit=0)
+
+
+needs_amx = pytest.mark.skipif(not amx_supported(), reason="needs a CPU (and compiler target) with AMX")
+
+
+@needs_amx
+def test_amx_skinny_gemm_is_the_bf16_rounded_product_for_every_tile_and_edge():
+    """The AMX kernel over the bfloat16 panels: every row count through full and partial 16-row
+    tiles, N not a multiple of the 48-column panel, K with a tail of pairs that is not a whole
+    tile (601: 301 pairs, 13 past the last full tile) and K a whole number of tiles, bias or none,
+    a strided input; the same products as the AVX512-BF16 kernel over the same panels."""
+    torch.manual_seed(0)
+    gemm, avx512 = SkinnyGemm(torch.bfloat16, amx=True), SkinnyGemm(torch.bfloat16)
+    assert gemm.amx and gemm.tile_rows == 16 and gemm.max_rows == 128
+    for out_features, in_features, with_bias in ((50, 601, True), (96, 64, False), (200, 96, True)):
+        weight = torch.randn(out_features, in_features) * 0.05
+        bias = torch.randn(out_features) if with_bias else None
+        panels = gemm.pack(weight)
+        for rows in [*range(1, 18), 23, 32, 33, 128]:
+            x = torch.randn(rows, in_features + 3)[:, 1:-2]  # rows one stride apart, not contiguous
+            out = gemm.linear(x, panels, bias, out_features)
+            expected = F.linear(bf16_rounded(x), bf16_rounded(weight), bias)
+            torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5, msg=f"{out_features}x{in_features}, {rows} rows")
+            torch.testing.assert_close(out, avx512.linear(x, panels, bias, out_features), rtol=1e-5, atol=1e-5)
+            assert (out - F.linear(x, weight, bias)).abs().max() > 1e-4  # the inputs were rounded
+
+
+def test_a_build_without_amx_says_so(tmp_path):
+    """``gemm_amx.c`` built for a CPU without AMX: only ``gemm_amx_supported``, returning 0, so
+    ``SkinnyGemm(amx=True)`` refuses there and ``auto`` keeps the other kernels."""
+    library = tmp_path / "gemm_amx_without.so"
+    command = [native._compiler(), *native.CFLAGS, "-mno-amx-tile", "-mno-amx-bf16", f"-I{native.SOURCE_DIR}",
+               str(native.SOURCE_DIR / "gemm_amx.c"), "-o", str(library), "-lm"]
+    if subprocess.run(command, capture_output=True).returncode != 0:
+        pytest.skip("the compiler has no -mno-amx-tile (not x86)")
+    kernels = ctypes.CDLL(str(library))
+    kernels.gemm_amx_supported.restype = ctypes.c_int64
+    assert kernels.gemm_amx_supported() == 0
+    assert not hasattr(kernels, "gemm_packed_bf16_amx")
+    if not amx_supported():
+        with pytest.raises(ValueError, match="the AMX skinny GEMM needs bfloat16 panels and a CPU"):
+            SkinnyGemm(torch.bfloat16 if bf16_supported() else torch.float32, amx=True)
+    with pytest.raises(ValueError, match="the AMX skinny GEMM needs bfloat16 panels"):
+        SkinnyGemm(torch.float32, amx=True)

@@ -1,5 +1,6 @@
 """The model's linears at each row count: the skinny GEMM and oneDNN, each in float32 and bfloat16
-(and the int8 integer GEMM where the CPU has AVX512-VNNI).
+(and the skinny GEMM's bfloat16 panels on AMX tiles where the CPU has AMX, the int8 integer GEMM
+where it has AVX512-VNNI).
 
 Which copy of a weight serves a step (engine/weight_copies.py) is chosen by the step's row count;
 ``prefill_dtype=bfloat16`` swaps the oneDNN copy's dtype, ``decode_dtype=bfloat16`` the skinny
@@ -26,7 +27,7 @@ import torch
 import numpy as np
 
 from engine.integer_gemm import IntegerGemm, int8_supported
-from engine.skinny_gemm import SkinnyGemm, bf16_supported
+from engine.skinny_gemm import SkinnyGemm, amx_supported, bf16_supported
 from engine.weight_copies import onednn_bf16_supported, packed_linear, prepack_weight
 from experiments.bench.quantized import random_blocks
 from experiments.bench.roofline import seconds_per_call
@@ -47,6 +48,8 @@ def main() -> None:
     skinny_gemms = {"float32 skinny GEMM": SkinnyGemm()}
     if bf16_supported():
         skinny_gemms["bfloat16 skinny GEMM"] = SkinnyGemm(torch.bfloat16)
+    if amx_supported():
+        skinny_gemms["bfloat16 AMX skinny GEMM"] = SkinnyGemm(torch.bfloat16, amx=True)
     # each variant: one function per weight, of that weight's input
     variants: dict[str, list[Callable[[torch.Tensor], torch.Tensor]]] = {
         name: [partial(gemm.linear, packed=gemm.pack(w), bias=None, out_features=w.shape[0]) for w in weights]
@@ -61,7 +64,7 @@ def main() -> None:
         variants["int8 integer GEMM"] = [partial(int8.linear, weight=int8.pack(random_blocks(rng, w.shape, "Q4_1")[0], "Q4_1", w.shape[1]),
                                                  bias=None) for w in weights]
     ratios = [("float32 skinny GEMM", "bfloat16 skinny GEMM"), ("float32 oneDNN", "bfloat16 oneDNN"),
-              ("bfloat16 oneDNN", "int8 integer GEMM")]
+              ("bfloat16 oneDNN", "bfloat16 AMX skinny GEMM"), ("bfloat16 oneDNN", "int8 integer GEMM")]
     ratios = [(f32, bf16) for f32, bf16 in ratios if bf16 in variants]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; ms for one layer's linears, "
           f"median of {args.repeats}")
@@ -79,7 +82,7 @@ def main() -> None:
                 times[name] = 1000 * seconds_per_call(lambda: [kernel(x) for kernel, x in zip(kernels, inputs)],
                                                       torch.device("cpu"), args.repeats, warmup=1)
             cells = ["-" if t is None else f"{t:.2f}" for t in times.values()]
-            cells += ["-" if times[f32] is None else f"{times[f32] / times[bf16]:.2f}x" for f32, bf16 in ratios]
+            cells += ["-" if times[f32] is None or times[bf16] is None else f"{times[f32] / times[bf16]:.2f}x" for f32, bf16 in ratios]
             print(f"| {rows} | " + " | ".join(cells) + " |")
 
 

@@ -14,13 +14,14 @@ oneDNN's prepacked copy above): one layer's four projections as Q4_1, alternatin
 ``--reps``; the row count where it falls below 1 bounds ``PREFILL_MAX_ROWS``.
 
 ``--engine MODEL`` measures whole engine decode steps instead: two ``LLM``s on the model
-(``quantized_weights=auto`` / ``false``, everything else default) serve ``B`` requests of
+(``quantized_weights=auto`` / ``false``, ``--decode-dtype`` for both, everything else default) serve ``B`` requests of
 ``--prompt`` tokens alternately, round by round; medians of the decode steps'
 ``StepRecord.duration_s``.
 
     python -m experiments.bench.quantized --threads 1 --rows 1 2 4 8 12 14 16 24
     python -m experiments.bench.quantized --integer --threads 2 --rows 8 32 128 256 512 1024 2048
     python -m experiments.bench.quantized --engine smollm2-135m-instruct --rows 1 4 8 14 16 --threads 2
+    python -m experiments.bench.quantized --engine smollm2-135m-instruct --rows 1 2 4 6 8 12 16 --threads 2 --decode-dtype auto
 """
 from __future__ import annotations
 
@@ -111,8 +112,11 @@ def integer_table(rows_list: list[int], reps: int, clock) -> None:
               f"| {best['float32'] / best['integer']:.2f} |", flush=True)
 
 
-def engine_table(model: str, batches: list[int], rounds: int, prompt: int, tokens: int) -> None:
-    engines = {"quantized": LLM(model=model, quantized_weights="auto"), "float32": LLM(model=model, quantized_weights=False)}
+def engine_table(model: str, batches: list[int], rounds: int, prompt: int, tokens: int, decode_dtype: str = "float32") -> None:
+    engines = {"quantized": LLM(model=model, quantized_weights="auto", decode_dtype=decode_dtype),
+               "float32": LLM(model=model, quantized_weights=False, decode_dtype=decode_dtype)}
+    print(f"decode_dtype applied: {engines['float32'].decode_dtype} (AMX panels: "
+          f"{engines['float32'].model.logits_head.skinny_gemm.amx})")
     print(f"quantized_weights applied: {engines['quantized'].quantized_weights}; median decode step ms")
     print("| B | quantized | float32 | float32 / quantized |\n|---|---|---|---|")
     for batch in batches:
@@ -138,11 +142,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--engine", metavar="MODEL", default=None, help="time engine decode steps of this model instead")
     parser.add_argument("--prompt", type=int, default=128, help="--engine: prompt tokens per request")
     parser.add_argument("--tokens", type=int, default=24, help="--engine: output tokens per request")
+    parser.add_argument("--decode-dtype", default="float32",
+                        help="--engine: both engines' decode_dtype (auto: the panels' dtype and kernel this CPU takes)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     clock = time.thread_time if args.threads == 1 else time.perf_counter
     if args.engine is not None:
-        engine_table(args.engine, args.rows, args.reps, args.prompt, args.tokens)
+        engine_table(args.engine, args.rows, args.reps, args.prompt, args.tokens, args.decode_dtype)
     elif args.integer:
         integer_table(args.rows, args.reps, clock)
     else:
