@@ -89,9 +89,11 @@ class LLM:
             them in bfloat16 pairs and multiplies with AVX512-BF16's dot products (half the weight
             bytes, ~2x faster on an AMD EPYC; inputs rounded to bfloat16, float32 sums): needs
             ``prepack`` and a CPU and compiler target with AVX512-BF16, else a ``ValueError``.
-            ``"auto"``: bfloat16 where it has them, except beside bfloat16 oneDNN copies on a CPU
-            with AMX, where those copies serve every step above 8 rows (faster there) and the
-            panels stay float32 (decision 19). ``"int16"``: decode batches of 5-32 rows take the
+            On a CPU with AMX the bfloat16 panels are multiplied on AMX tiles
+            (``engine/csrc/gemm_amx.c``, up to 128 rows, 1.2-2.2x faster than oneDNN's AMX copies;
+            decision 24). ``"auto"``: bfloat16 where it has them, except beside bfloat16 oneDNN
+            copies on a CPU with AMX but without the AMX panel kernel, where those copies serve
+            every step above 8 rows and the panels stay float32 (decision 19). ``"int16"``: decode batches of 5-32 rows take the
             integer GEMM over the GGUF blocks (:mod:`engine.integer_gemm`; activations rounded to
             int16 per block of 32, int32 sums, 1.2-1.4x faster than float32 panels on an AVX2-only
             AMD EPYC): needs ``prepack`` and ``quantized_weights`` with a GGUF checkpoint, else a

@@ -10,7 +10,13 @@ built in the first call), and prints the medians and their ratio: where the bflo
 starts to pay sets :class:`~strategies.attention.bf16_prompt_attention.PromptSplit` (docs/decisions.md,
 decision 23).
 
+``--prompts NxL`` times whole prefills in the engine instead: two engines with ``serve.py``'s
+defaults (bf16 prompt steps and KV cache), one with ``prefill_attention_dtype=float32`` and one with
+``bfloat16``, each prefill ``N`` random prompts of ``L`` tokens (in the default scheduler's
+256-token chunks) and sample one token, alternately, ``--reps`` times; median seconds per round.
+
     python -m experiments.bench.prompt_attention --shapes 8x8 16x16 32x32 64x64 128x128 256x256 256x1024 --reps 30
+    python -m experiments.bench.prompt_attention --prompts 1x1024 8x1024 32x128 --reps 5
 """
 from __future__ import annotations
 
@@ -44,12 +50,44 @@ def one_chunk(query_len: int, context_len: int) -> tuple[tuple[torch.Tensor, ...
     return tensors, metadata
 
 
+def prefill_rounds(shapes: list[str], reps: int) -> None:
+    """Median seconds to prefill each ``NxL`` shape's prompts, the two engines alternating."""
+    import random
+
+    from engine import LLM, SamplingParams
+
+    engines = {dtype: LLM(prefill_dtype="auto", decode_dtype="auto", kv_cache_dtype="auto", prefill_attention_dtype=dtype)
+               for dtype in ("float32", "bfloat16")}
+    if engines["bfloat16"].kv_cache_dtype != "bfloat16":
+        raise SystemExit("this CPU has no bfloat16 prompt steps (AVX512-BF16 or AMX), so no bfloat16 KV cache: nothing to compare")
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    print("| prompts x tokens | float32 C kernel (s) | bfloat16 flash attention (s) | kernel / flash |\n| --- | --- | --- | --- |")
+    for shape in shapes:
+        count, length = (int(part) for part in shape.split("x"))
+        rng = random.Random(count * 7919 + length)
+        prompts = [[rng.randrange(100, 40000) for _ in range(length)] for _ in range(count)]
+        times: dict[str, list[float]] = {dtype: [] for dtype in engines}
+        for rep in range(reps + 1):  # the first round warms up each engine
+            for dtype, llm in engines.items():
+                start = time.perf_counter()
+                llm.generate(prompts, params)
+                if rep:
+                    times[dtype].append(time.perf_counter() - start)
+        kernel, flash = (statistics.median(times[dtype]) for dtype in engines)
+        print(f"| {count} x {length} | {kernel:.3f} | {flash:.3f} | {kernel / flash:.2f}x |", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=["16x16", "64x64", "256x256", "256x1024"],
                         help="new tokens x context tokens, e.g. 256x1024")
-    parser.add_argument("--reps", type=int, default=30, help="timed calls per path and shape")
+    parser.add_argument("--prompts", nargs="+", default=None,
+                        help="time whole prefills in the engine instead: prompts x tokens, e.g. 8x1024")
+    parser.add_argument("--reps", type=int, default=30, help="timed calls (rounds with --prompts) per path and shape")
     args = parser.parse_args(argv)
+    if args.prompts:
+        prefill_rounds(args.prompts, args.reps)
+        return 0
     backends = {"float32 C kernel": CpuPagedBackend(), "bfloat16 flash attention": CpuPagedBackend()}
     backends["bfloat16 flash attention"].use_bf16_prompt_attention(PromptSplit(min_rows=1, min_pairs=1))
     print(f"torch threads: {torch.get_num_threads()}\n"
