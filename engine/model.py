@@ -361,7 +361,10 @@ class CausalLM(nn.Module):
             raise ValueError(f"got {len(kv_caches)} KV-cache pairs for {len(self.layers)} layers")
         hidden = self.embed_tokens(input_ids)
         native_layers = self.native_layers
-        if native_layers is not None and attention_parts is None and native_layers.can_run(hidden.shape[0], attention):
+        # A backend that attends a whole mixed step in one call as fast as run by run (cpu_paged: no
+        # padding) is not kept off the C layers by the runs the runner split the step into.
+        whole_step = attention_parts is None or getattr(attention, "mixed_steps_in_one_call", False)
+        if native_layers is not None and whole_step and native_layers.can_run(hidden.shape[0], attention, metadata):
             hidden, residual = native_layers.forward(hidden, positions, kv_caches, metadata, attention)
             return self.norm.add_norm(hidden, residual)[0]
         if self.fused_ops is not None:

@@ -138,9 +138,14 @@ class NativeLayers:
         self._eps = model.norm.eps
         self._cos_sin = model.rotary.cos_sin
 
-    def can_run(self, num_tokens: int, attention) -> bool:
-        """Whether a step of ``num_tokens`` rows with this attention backend can take this path."""
-        return num_tokens <= self.max_rows and getattr(attention, "native_attention", None) is not None
+    def can_run(self, num_tokens: int, attention, metadata: AttentionMetadata) -> bool:
+        """Whether a step of ``num_tokens`` rows described by ``metadata`` can take this path with this
+        attention backend: it offers its kernel (``native_attention``) and, where it has
+        ``attends_natively``, that kernel is the one it would use for every sequence of the step."""
+        if num_tokens > self.max_rows or getattr(attention, "native_attention", None) is None:
+            return False
+        attends_natively = getattr(attention, "attends_natively", None)
+        return attends_natively is None or attends_natively(metadata)
 
     def forward(
         self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],

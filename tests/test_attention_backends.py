@@ -231,7 +231,7 @@ def test_cpu_paged_bf16_prompt_attention() -> None:
     the sequences it leaves get bit for bit the C kernel's output; every new K/V is written once,
     rounded as torch rounds (``check_backend``'s cache comparison)."""
     seqs = [(0, 40), (9, 1), (30, 20), (5, 1), (0, 3), (100, 17), (2, 1)]
-    split = PromptSplit(min_rows=4, min_pairs=64)
+    split = PromptSplit(min_rows=4, min_context=1, min_pairs=64)
     taken = [split.takes(q, c + q) for c, q in seqs]
     assert taken == [True, False, True, False, False, True, False]
     step = make_step(seqs, 16, 9, 3, head_dim=64, seed=5, cache_dtype=torch.bfloat16)

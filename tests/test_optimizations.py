@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from native_builds import without_avx512
 from engine import LLM, SamplingParams, native
+from engine.attention_metadata import AttentionMetadata
 from engine.fused_ops import FusedOps
 from engine.native_layers import NativeLayers
 from engine.model import RMSNorm, RotaryEmbedding, apply_rope
@@ -47,6 +48,14 @@ def build(ckpt, **kwargs) -> LLM:
     options = dict(device="cpu", dtype="float32", block_size=4, capacity_tokens=512, max_num_seqs=8)
     options.update(kwargs)
     return LLM(model=str(ckpt), **options)
+
+
+# a decode-only step of one sequence, for NativeLayers.can_run
+DECODE_METADATA = AttentionMetadata(
+    query_start_loc=torch.tensor([0, 1], dtype=torch.int32), query_lens=torch.tensor([1], dtype=torch.int32),
+    context_lens=torch.tensor([5], dtype=torch.int32), slot_mapping=torch.tensor([4]),
+    block_tables=torch.tensor([[0, 1]], dtype=torch.int32), block_size=4, max_query_len=1, max_context_len=5,
+)
 
 
 def serve(llm: LLM, prompts, max_tokens) -> list[list[int]]:
@@ -293,11 +302,11 @@ def test_native_layers_give_the_python_layers_logits_bit_for_bit(ckpt_name, requ
 def test_native_layers_need_every_linear_in_c_and_a_backend_that_offers_its_kernel(tiny_llama_ckpt):
     llm = build(tiny_llama_ckpt, attention="cpu_paged_cascade")
     layers = llm.model.native_layers
-    assert layers is not None and layers.can_run(1, llm.attention)  # the cascade backend passes its plan to C
-    assert not layers.can_run(1, build(tiny_llama_ckpt, attention="eager").attention)  # a gather backend: Python layers
-    assert layers.can_run(layers.max_rows, build(tiny_llama_ckpt, attention="cpu_paged").attention)
-    assert not layers.can_run(layers.max_rows + 1, build(tiny_llama_ckpt, attention="cpu_paged").attention)
-    assert build(tiny_llama_ckpt, attention="torch_sdpa").model.native_layers.can_run(1, TorchSDPABackend()) is False
+    assert layers is not None and layers.can_run(1, llm.attention, DECODE_METADATA)  # the cascade backend passes its plan to C
+    assert not layers.can_run(1, build(tiny_llama_ckpt, attention="eager").attention, DECODE_METADATA)  # a gather backend: Python layers
+    assert layers.can_run(layers.max_rows, build(tiny_llama_ckpt, attention="cpu_paged").attention, DECODE_METADATA)
+    assert not layers.can_run(layers.max_rows + 1, build(tiny_llama_ckpt, attention="cpu_paged").attention, DECODE_METADATA)
+    assert build(tiny_llama_ckpt, attention="torch_sdpa").model.native_layers.can_run(1, TorchSDPABackend(), DECODE_METADATA) is False
     assert build(tiny_llama_ckpt, prepack=False).model.native_layers is None
     model = build(tiny_llama_ckpt, fused_ops=False).model
     assert model.native_layers is None
@@ -496,6 +505,28 @@ def test_split_mixed_steps_equal_unsplit_and_hf(tiny_llama_ckpt, attention):
     assert tokens == serve_with_late_arrivals(whole, prompts, budgets)
     for prompt, budget, generated in zip(prompts, budgets, tokens):
         assert generated == hf_greedy(str(tiny_llama_ckpt), tuple(prompt), budget)
+
+
+def test_mixed_steps_run_whole_layers_in_c_with_cpu_paged(tiny_llama_ckpt):
+    """``cpu_paged`` attends a mixed step's decode rows and prompt chunks in one unpadded call, so
+    such steps (which the runner splits into runs for padded backends) take the C layers too, with
+    every step's logits bit for bit the Python layers'."""
+    in_c, in_python = build(tiny_llama_ckpt, attention="cpu_paged"), build(tiny_llama_ckpt, attention="cpu_paged")
+    in_python.model.use_native_layers(None)
+    layers = in_c.model.native_layers
+    mixed_calls, forward = [], layers.forward
+    layers.forward = lambda hidden, positions, kv, metadata, *rest: (
+        mixed_calls.append(metadata.max_query_len > 1 and int((metadata.query_lens == 1).sum()) > 0)
+        or forward(hidden, positions, kv, metadata, *rest))
+    logits = []
+    for llm in (in_c, in_python):
+        step_logits, execute = [], llm.runner.execute
+        llm.runner.execute = lambda inputs, execute=execute, step_logits=step_logits: step_logits.append(execute(inputs)) or step_logits[-1]
+        prompts = ragged_prompts(21, 8, llm.model_config.vocab_size, max_len=24)
+        serve_with_late_arrivals(llm, prompts, [9, 3, 12, 5, 7, 1, 10, 4])
+        logits.append(step_logits)
+    assert any(mixed_calls)  # mixed steps ran in C
+    assert len(logits[0]) == len(logits[1]) and all(torch.equal(a, b) for a, b in zip(*logits))
 
 
 def test_split_runs_metadata_slices(tiny_llama_ckpt):

@@ -40,17 +40,22 @@ def step_logits(llm: LLM, prompts: list[list[int]], steps: int) -> list[torch.Te
 
 def test_bfloat16_prompt_attention_in_the_engine(tiny_llama_ckpt):
     rng = random.Random(0)
-    prompts = [[rng.randrange(3, 256) for _ in range(130)] for _ in range(3)]  # 130 x 130 pairs: the split takes them
-    assert PromptSplit().takes(130, 130)
+    prompts = [[rng.randrange(3, 256) for _ in range(128)]]  # 128 rows: the C layers could take the step
+    assert PromptSplit().takes(256, 256) and not PromptSplit().takes(128, 128)  # 128-token prompts stay in C
     flash, kernel = build(tiny_llama_ckpt, prefill_attention_dtype="bfloat16"), build(tiny_llama_ckpt)
     assert (flash.prefill_attention_dtype, kernel.prefill_attention_dtype) == ("bfloat16", "float32")
     assert flash.attention.bf16_prompts == PromptSplit() and kernel.attention.bf16_prompts is None
+    flash.attention.use_bf16_prompt_attention(PromptSplit(min_context=128))  # the tiny model's contexts end at 256
     assert flash.model.native_layers is not None  # decode steps keep the C layers
+    calls, forward = [], flash.model.native_layers.forward
+    flash.model.native_layers.forward = lambda hidden, *args: calls.append(hidden.shape[0]) or forward(hidden, *args)
     (prefill16, decode16), (prefill32, decode32) = step_logits(flash, prompts, 2), step_logits(kernel, prompts, 2)
-    assert prefill16.shape == prefill32.shape == (3, 256)
+    assert prefill16.shape == prefill32.shape == (1, 256)
     assert (prefill16 - prefill32).abs().max() < 0.05 * prefill32.abs().max()
     assert not torch.equal(prefill16, prefill32)
     assert (decode16 - decode32).abs().max() < 0.05 * decode32.abs().max()
+    # the prompt step ran the Python layers (flash attention; the C layers take 128 rows elsewhere), the decode step the C ones
+    assert calls == [1]
 
 
 def test_prefill_attention_dtype_values_and_errors(tiny_llama_ckpt, monkeypatch):

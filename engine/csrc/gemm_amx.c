@@ -54,7 +54,7 @@ typedef struct {
 int64_t gemm_amx_supported(void) { return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0; }
 
 /* The most rows the engine gives this kernel (decode batches; oneDNN's prepacked copies above it). */
-int64_t gemm_amx_max_rows(void) { return 128; }
+int64_t gemm_amx_max_rows(void) { return 256; }
 
 static inline uint16_t to_bf16(float value) {
     uint32_t bits;

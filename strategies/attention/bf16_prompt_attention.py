@@ -42,20 +42,26 @@ from engine.attention_metadata import AttentionMetadata
 
 @dataclass(frozen=True)
 class PromptSplit:
-    """Which sequences attend here: at least ``min_rows`` new tokens and ``min_pairs`` query-key pairs
-    (new tokens x context tokens). The defaults are where this path overtook the C kernel on a
-    2-core Xeon with AMX (``python -m experiments.bench.prompt_attention``: 1.08-1.09x at 128 x 128
-    and 16 x 1,024, 0.73x at 64 x 64, 1.4-3.1x from 32 x 512 up; decision 23)."""
+    """Which sequences attend here: at least ``min_rows`` new tokens, ``min_context`` context tokens
+    and ``min_pairs`` query-key pairs (new tokens x context tokens). The defaults are where this
+    path overtook the C kernel on a 2-core Xeon with AMX (``python -m
+    experiments.bench.prompt_attention``: 1.4-3.1x from 32 x 512 and 64 x 256 up, 1.08-1.09x at 128 x
+    128 and 16 x 1,024, 0.73x at 64 x 64; decision 23). A step none of whose sequences this path
+    takes may run whole layers in C (:mod:`engine.native_layers`), which 128-token prompts gain
+    more from than from this path: hence ``min_context``."""
 
     min_rows: int = 16
+    min_context: int = 256
     min_pairs: int = 16384
 
     def __post_init__(self) -> None:
-        if self.min_rows < 1 or self.min_pairs < 1:
-            raise ValueError(f"min_rows and min_pairs must be at least 1, got {self.min_rows} and {self.min_pairs}")
+        if min(self.min_rows, self.min_context, self.min_pairs) < 1:
+            raise ValueError(f"min_rows, min_context and min_pairs must be at least 1, got {self.min_rows}, "
+                             f"{self.min_context} and {self.min_pairs}")
 
     def takes(self, query_len: int, context_len: int) -> bool:
-        return query_len >= self.min_rows and query_len * context_len >= self.min_pairs
+        return (query_len >= self.min_rows and context_len >= self.min_context
+                and query_len * context_len >= self.min_pairs)
 
 
 @dataclass(frozen=True)

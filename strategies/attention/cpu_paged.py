@@ -84,6 +84,7 @@ class CpuPagedBackend:
     name = "cpu_paged"
     attention_pairs = "causal"  # each query row reads its own context only
     kv_cache_dtypes = tuple(KERNEL_NAMES)  # the cache dtypes its kernels read
+    mixed_steps_in_one_call = True  # decode rows and prompt chunks of one step in one call, unpadded (engine.model)
     bf16_prompts: PromptSplit | None = None  # prompt chunks that attend in bfloat16 over a bfloat16 cache (None: none)
 
     def __init__(self) -> None:
@@ -113,12 +114,24 @@ class CpuPagedBackend:
         if split is None or k_cache.dtype != torch.bfloat16 or metadata.max_query_len < split.min_rows:
             self._run_kernel(query, key, value, k_cache, v_cache, metadata, scale, out, (0, metadata.num_seqs), num_tokens)
             return out
-        prompt_plan = metadata.cached(("cpu_paged.bf16_prompts", split), lambda: bf16_prompt_attention.plan(metadata, split))
+        prompt_plan = self.prompt_plan(metadata, split)
         for index, seqs in enumerate(prompt_plan.kernel_runs or ((0, 0),)):  # the first call writes every new K/V
             self._run_kernel(query, key, value, k_cache, v_cache, metadata, scale, out, seqs, num_tokens if index == 0 else 0)
         for chunk in prompt_plan.chunks:
             bf16_prompt_attention.attend(query, k_cache, v_cache, chunk, scale, out)
         return out
+
+    def attends_natively(self, metadata: AttentionMetadata) -> bool:
+        """Whether the C kernel attends every sequence of the step (no prompt chunk goes to bfloat16
+        flash attention), so callers that run whole layers in C may take it."""
+        split = self.bf16_prompts
+        if split is None or metadata.max_query_len < split.min_rows:
+            return True
+        return not self.prompt_plan(metadata, split).chunks
+
+    def prompt_plan(self, metadata: AttentionMetadata, split: PromptSplit) -> bf16_prompt_attention.PromptPlan:
+        """The step's split between the C kernel and flash attention, built once per step."""
+        return metadata.cached(("cpu_paged.bf16_prompts", split), lambda: bf16_prompt_attention.plan(metadata, split))
 
     def use_bf16_prompt_attention(self, split: PromptSplit = PromptSplit()) -> None:
         """Attend the prompt chunks that ``split`` takes over a bfloat16 cache in bfloat16, through

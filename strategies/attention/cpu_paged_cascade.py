@@ -165,6 +165,7 @@ class CpuPagedCascadeBackend(CpuPagedBackend):
 
     name = "cpu_paged_cascade"
     kv_cache_dtypes = (torch.float32,)  # the cascade kernel reads float32 caches only
+    mixed_steps_in_one_call = False  # a mixed step's decode run needs its own call to take the cascade
 
     def __init__(self, min_group_size: int = 2, min_shared_tokens: int = 64) -> None:
         if min_group_size < 2:
