@@ -90,8 +90,9 @@ class LLM:
             bytes, ~2x faster on an AMD EPYC; inputs rounded to bfloat16, float32 sums): needs
             ``prepack`` and a CPU and compiler target with AVX512-BF16, else a ``ValueError``.
             On a CPU with AMX the bfloat16 panels are multiplied on AMX tiles
-            (``engine/csrc/gemm_amx.c``, up to 128 rows, 1.2-2.2x faster than oneDNN's AMX copies;
-            decision 24). ``"auto"``: bfloat16 where it has them, except beside bfloat16 oneDNN
+            (``engine/csrc/gemm_amx.c``, up to 256 rows, 1.2-2.2x faster than oneDNN's AMX copies
+            up to 128; decision 24), so every step of the default 256-token budget can run whole
+            layers in C. ``"auto"``: bfloat16 where it has them, except beside bfloat16 oneDNN
             copies on a CPU with AMX but without the AMX panel kernel, where those copies serve
             every step above 8 rows and the panels stay float32 (decision 19). ``"int16"``: decode batches of 5-32 rows take the
             integer GEMM over the GGUF blocks (:mod:`engine.integer_gemm`; activations rounded to
@@ -116,8 +117,8 @@ class LLM:
             request's tokens may differ from float32's where two candidates are near a tie.
         prefill_attention_dtype: performance option, the arithmetic of long prompt chunks'
             attention over a bfloat16 KV cache. ``"float32"`` (default): the C kernel, float32
-            arithmetic, for every row. ``"bfloat16"``: chunks of at least 16 new tokens and
-            16,384 query-key pairs run through torch's flash-attention kernel in bfloat16
+            arithmetic, for every row. ``"bfloat16"``: chunks of at least 16 new tokens, 256
+            context tokens and 16,384 query-key pairs run through torch's flash-attention kernel in bfloat16
             (:mod:`strategies.attention.bf16_prompt_attention`; 1.4-3.1x faster per chunk from
             32 x 512 pairs on a Xeon with AMX): needs ``kv_cache_dtype`` bfloat16 and
             ``cpu_paged``, else a ``ValueError``. ``"auto"``: bfloat16 there on a CPU with AMX,

@@ -189,7 +189,7 @@ def _prepack(
         _reduced_dtype("decode_dtype", options.decode_dtype, False, False, panel_requirement)
         return False, None, packed_dtype
     # With AMX, bfloat16 panels run on AMX tiles where that kernel builds (faster than oneDNN's AMX
-    # copies up to 128 rows, decision 24). Without it, bfloat16 oneDNN copies take the decode
+    # copies up to 128 rows; it serves up to 256, decision 24). Without it, bfloat16 oneDNN copies take the decode
     # batches above a few rows, and the few-row steps are the quantized GEMM's beside float32
     # panels: there `auto` keeps the panels float32.
     amx_panels = skinny_amx_supported()

@@ -53,7 +53,9 @@ typedef struct {
  * requests are harmless), else 0. */
 int64_t gemm_amx_supported(void) { return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0; }
 
-/* The most rows the engine gives this kernel (decode batches; oneDNN's prepacked copies above it). */
+/* The most rows the engine gives this kernel: decode batches and the default scheduler's 256-token
+ * steps (oneDNN's prepacked copies above; this kernel re-reads x once per panel, so its lead over
+ * them shrinks with the rows: decision 24). */
 int64_t gemm_amx_max_rows(void) { return 256; }
 
 static inline uint16_t to_bf16(float value) {
