@@ -25,7 +25,13 @@ The cache may also hold bfloat16 (``kv_cache_dtype=bfloat16``, vLLM's ``kv_cache
 same kernel, compiled a second time for 2-byte elements, reads half the bytes per step (in a decode
 step of many sequences, reading the context is most of attention's time) and widens each K/V
 vector to float32 on load; the new K/V are rounded to bfloat16 as they are written. Attention over
-that cache equals this kernel's float32 result over the bf16-rounded K/V.
+that cache equals this kernel's float32 result over the bf16-rounded K/V. Over such a cache, long
+prompt chunks may attend in bfloat16 through torch's flash-attention kernel instead
+(``prefill_attention_dtype``, :mod:`strategies.attention.bf16_prompt_attention`): the step is split
+once, the C kernel keeps the other sequences.
+
+A mixed step's decode rows and prompt chunks need no padding here, so the backend attends them in
+one call (``mixed_steps_in_one_call``) and such steps may run whole layers in C.
 """
 from __future__ import annotations
 
