@@ -61,19 +61,22 @@ class SkinnyGemm:
         if dtype == torch.bfloat16:
             if not bf16_supported():
                 raise ValueError("the bfloat16 skinny GEMM needs a CPU (and compiler target) with AVX512-BF16")
-            library, suffix, max_rows = "gemm_bf16", "bf16", "gemm_bf16_max_rows"
+            library, suffix = "gemm_bf16", "bf16"
         elif dtype == torch.float32:
-            library, suffix, max_rows = "gemm", "f32", "gemm_max_rows"
+            library, suffix = "gemm", "f32"
         else:
             raise ValueError(f"the skinny GEMM's panels are float32 or bfloat16, not {dtype}")
-        if amx and (dtype != torch.bfloat16 or not amx_supported()):
-            raise ValueError(f"the AMX skinny GEMM needs bfloat16 panels and a CPU (and compiler target) with AMX "
-                             f"(panels {dtype}, AMX: {amx_supported()})")
+        # the library that multiplies (its GEMM and row limit); the panels are packed by `library`
+        gemm_library, gemm_name, max_rows_name = library, f"gemm_packed_{suffix}", f"{library}_max_rows"
+        if amx:
+            if dtype != torch.bfloat16 or not amx_supported():
+                raise ValueError(f"the AMX skinny GEMM needs bfloat16 panels and a CPU (and compiler target) with AMX "
+                                 f"(panels {dtype}, AMX: {amx_supported()})")
+            gemm_library, gemm_name, max_rows_name = "gemm_amx", "gemm_packed_bf16_amx", "gemm_amx_max_rows"
         self.dtype, self.amx = dtype, amx
         if row_limit is not None and row_limit < 1:
             raise ValueError(f"row_limit must be >= 1, got {row_limit}")
-        gemm_library, gemm_name = ("gemm_amx", "gemm_packed_bf16_amx") if amx else (library, f"gemm_packed_{suffix}")
-        build_max_rows = native.function(*(("gemm_amx", "gemm_amx_max_rows") if amx else (library, max_rows)), [], _I64)()
+        build_max_rows = native.function(gemm_library, max_rows_name, [], _I64)()
         self.max_rows: int = build_max_rows if row_limit is None else min(build_max_rows, row_limit)
         self.tile_rows: int = 16 if amx else native.function("gemm", "gemm_tile_rows", [], _I64)()
         numel_name = "packed_weight_numel" if dtype == torch.float32 else "packed_weight_numel_bf16"

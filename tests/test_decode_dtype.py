@@ -17,18 +17,18 @@ from __future__ import annotations
 
 import ctypes
 import random
-import subprocess
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import LLM, SamplingParams, native, performance_options
+from engine import LLM, SamplingParams, performance_options
 from engine.quantized_gemm import MAX_ROWS_BESIDE_BF16_PANELS, QuantizedGemm
 from engine.skinny_gemm import SkinnyGemm, amx_supported, bf16_supported
 from engine.weight_copies import onednn_linear_supported
 from gguf import GGMLQuantizationType
 from gguf_writer import write_gguf
+from native_builds import build_without
 
 needs_bf16_panels = pytest.mark.skipif(
     not (bf16_supported() and onednn_linear_supported(torch.device("cpu"), torch.float32)),
@@ -80,12 +80,9 @@ def test_bf16_pack_rounds_to_nearest_even():
 def test_a_build_without_avx512_bf16_says_so(tmp_path):
     """The same source built for a CPU without the instruction: only ``gemm_bf16_supported``,
     returning 0, so ``SkinnyGemm(torch.bfloat16)`` and ``decode_dtype=bfloat16`` refuse there."""
-    library = tmp_path / "gemm_bf16_without.so"
-    command = [native._compiler(), *native.CFLAGS, "-mno-avx512bf16", f"-I{native.SOURCE_DIR}",
-               str(native.SOURCE_DIR / "gemm_bf16.c"), "-o", str(library), "-lm"]
-    if subprocess.run(command, capture_output=True).returncode != 0:
+    kernels = build_without("gemm_bf16.c", ["-mno-avx512bf16"], tmp_path)
+    if kernels is None:
         pytest.skip("the compiler has no -mno-avx512bf16 (not x86)")
-    kernels = ctypes.CDLL(str(library))
     kernels.gemm_bf16_supported.restype = ctypes.c_int64
     assert kernels.gemm_bf16_supported() == 0
     assert not hasattr(kernels, "gemm_packed_bf16")
@@ -219,12 +216,9 @@ def test_amx_skinny_gemm_is_the_bf16_rounded_product_for_every_tile_and_edge():
 def test_a_build_without_amx_says_so(tmp_path):
     """``gemm_amx.c`` built for a CPU without AMX: only ``gemm_amx_supported``, returning 0, so
     ``SkinnyGemm(amx=True)`` refuses there and ``auto`` keeps the other kernels."""
-    library = tmp_path / "gemm_amx_without.so"
-    command = [native._compiler(), *native.CFLAGS, "-mno-amx-tile", "-mno-amx-bf16", f"-I{native.SOURCE_DIR}",
-               str(native.SOURCE_DIR / "gemm_amx.c"), "-o", str(library), "-lm"]
-    if subprocess.run(command, capture_output=True).returncode != 0:
+    kernels = build_without("gemm_amx.c", ["-mno-amx-tile", "-mno-amx-bf16"], tmp_path)
+    if kernels is None:
         pytest.skip("the compiler has no -mno-amx-tile (not x86)")
-    kernels = ctypes.CDLL(str(library))
     kernels.gemm_amx_supported.restype = ctypes.c_int64
     assert kernels.gemm_amx_supported() == 0
     assert not hasattr(kernels, "gemm_packed_bf16_amx")

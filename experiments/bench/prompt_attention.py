@@ -21,12 +21,15 @@ defaults (bf16 prompt steps and KV cache), one with ``prefill_attention_dtype=fl
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import time
 
 import torch
 
+from engine import LLM, SamplingParams
 from engine.attention_metadata import AttentionMetadata
+from experiments.bench.option_ab import SERVE_DEFAULTS
 from strategies.attention.bf16_prompt_attention import PromptSplit
 from strategies.attention.cpu_paged import CpuPagedBackend
 
@@ -52,12 +55,7 @@ def one_chunk(query_len: int, context_len: int) -> tuple[tuple[torch.Tensor, ...
 
 def prefill_rounds(shapes: list[str], reps: int) -> None:
     """Median seconds to prefill each ``NxL`` shape's prompts, the two engines alternating."""
-    import random
-
-    from engine import LLM, SamplingParams
-
-    engines = {dtype: LLM(prefill_dtype="auto", decode_dtype="auto", kv_cache_dtype="auto", prefill_attention_dtype=dtype)
-               for dtype in ("float32", "bfloat16")}
+    engines = {dtype: LLM(**{**SERVE_DEFAULTS, "prefill_attention_dtype": dtype}) for dtype in ("float32", "bfloat16")}
     if engines["bfloat16"].kv_cache_dtype != "bfloat16":
         raise SystemExit("this CPU has no bfloat16 prompt steps (AVX512-BF16 or AMX), so no bfloat16 KV cache: nothing to compare")
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
@@ -89,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         prefill_rounds(args.prompts, args.reps)
         return 0
     backends = {"float32 C kernel": CpuPagedBackend(), "bfloat16 flash attention": CpuPagedBackend()}
-    backends["bfloat16 flash attention"].use_bf16_prompt_attention(PromptSplit(min_rows=1, min_pairs=1))
+    backends["bfloat16 flash attention"].use_bf16_prompt_attention(PromptSplit(min_rows=1, min_context=1, min_pairs=1))
     print(f"torch threads: {torch.get_num_threads()}\n"
           "| new tokens | context tokens | float32 C kernel (ms) | bfloat16 flash attention (ms) | kernel / flash |\n"
           "| --- | --- | --- | --- | --- |")

@@ -80,10 +80,6 @@ class PromptPlan:
     kernel_runs: tuple[tuple[int, int], ...]  # [first, last) sequence ranges the C kernel attends
     chunks: tuple[PromptChunk, ...]  # the sequences attended here
 
-    @property
-    def kernel_seqs(self) -> int:
-        return sum(last - first for first, last in self.kernel_runs)
-
 
 def plan(metadata: AttentionMetadata, split: PromptSplit) -> PromptPlan:
     """The step's split: the sequences ``split`` takes here, the rest in contiguous runs for the C kernel."""

@@ -116,11 +116,10 @@ class CpuPagedBackend:
         query, key, value = self.checked_inputs(query, key, value, k_cache, v_cache)
         num_tokens, num_heads, head_dim = query.shape
         out = torch.empty(num_tokens, num_heads, head_dim, dtype=query.dtype)
-        split = self.bf16_prompts
-        if split is None or k_cache.dtype != torch.bfloat16 or metadata.max_query_len < split.min_rows:
+        prompt_plan = self.prompt_plan(metadata) if k_cache.dtype == torch.bfloat16 else None
+        if prompt_plan is None or not prompt_plan.chunks:
             self._run_kernel(query, key, value, k_cache, v_cache, metadata, scale, out, (0, metadata.num_seqs), num_tokens)
             return out
-        prompt_plan = self.prompt_plan(metadata, split)
         for index, seqs in enumerate(prompt_plan.kernel_runs or ((0, 0),)):  # the first call writes every new K/V
             self._run_kernel(query, key, value, k_cache, v_cache, metadata, scale, out, seqs, num_tokens if index == 0 else 0)
         for chunk in prompt_plan.chunks:
@@ -130,13 +129,15 @@ class CpuPagedBackend:
     def attends_natively(self, metadata: AttentionMetadata) -> bool:
         """Whether the C kernel attends every sequence of the step (no prompt chunk goes to bfloat16
         flash attention), so callers that run whole layers in C may take it."""
+        prompt_plan = self.prompt_plan(metadata)
+        return prompt_plan is None or not prompt_plan.chunks
+
+    def prompt_plan(self, metadata: AttentionMetadata) -> bf16_prompt_attention.PromptPlan | None:
+        """The step's split between the C kernel and flash attention (built once per step), or
+        ``None`` where there is none: no bfloat16 prompt attention, or no sequence with enough rows."""
         split = self.bf16_prompts
         if split is None or metadata.max_query_len < split.min_rows:
-            return True
-        return not self.prompt_plan(metadata, split).chunks
-
-    def prompt_plan(self, metadata: AttentionMetadata, split: PromptSplit) -> bf16_prompt_attention.PromptPlan:
-        """The step's split between the C kernel and flash attention, built once per step."""
+            return None
         return metadata.cached(("cpu_paged.bf16_prompts", split), lambda: bf16_prompt_attention.plan(metadata, split))
 
     def use_bf16_prompt_attention(self, split: PromptSplit = PromptSplit()) -> None:
