@@ -196,14 +196,17 @@ def test_amx_skinny_gemm_is_the_bf16_rounded_product_for_every_tile_and_edge():
     """The AMX kernel over the bfloat16 panels: every row count through full and partial 16-row
     tiles, N not a multiple of the 48-column panel, K with a tail of pairs that is not a whole
     tile (601: 301 pairs, 13 past the last full tile) and K a whole number of tiles, bias or none,
-    a strided input; the same products as the AVX512-BF16 kernel over the same panels."""
+    a strided input, and NaN right after the panels (the k tail must not read past them); the same
+    products as the AVX512-BF16 kernel over the same panels."""
     torch.manual_seed(0)
     gemm, avx512 = SkinnyGemm(torch.bfloat16, amx=True), SkinnyGemm(torch.bfloat16)
     assert gemm.amx and gemm.tile_rows == 16 and gemm.max_rows == 256
     for out_features, in_features, with_bias in ((50, 601, True), (96, 64, False), (200, 96, True)):
         weight = torch.randn(out_features, in_features) * 0.05
         bias = torch.randn(out_features) if with_bias else None
-        panels = gemm.pack(weight)
+        numel = gemm.packed_numel(out_features, in_features)
+        guarded = torch.full((numel + 4096,), float("nan"), dtype=torch.bfloat16)  # NaN past the panels: read, it shows
+        panels = gemm.pack(weight, out=guarded[:numel])
         for rows in [*range(1, 18), 23, 32, 33, 128, 256]:
             x = torch.randn(rows, in_features + 3)[:, 1:-2]  # rows one stride apart, not contiguous
             out = gemm.linear(x, panels, bias, out_features)

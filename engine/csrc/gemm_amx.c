@@ -18,7 +18,7 @@
  *     TDPBF16PS, so every tile loaded serves two products instead of 0.75 (the 1 x 3 block's 4
  *     loads per 3 products kept the tile unit waiting on L2). Column pairs are the outer loop,
  *     split over the threads: each weight tile streams from memory once and stays in L1 while
- *     every row pair uses it.
+ *     every row pair uses it; the next column pair's lines are prefetched meanwhile.
  * Around them (decision 24):
  *   - x is rounded to bfloat16 (VCVTNE2PS2BF16, round to nearest even) by all threads at once,
  *     into a copy zero-padded to whole tiles (16 or 32 rows, 32 k) that each thread keeps between
@@ -126,12 +126,12 @@ static inline void copy_out(const float *scratch, int64_t stride, int64_t first_
     }
 }
 
-/* One block of 16 rows (m <= 16): per panel, 16 x 48 in three C tiles. */
+/* One block of 16 rows (m <= 16): per panel, 16 x 48 in three C tiles. Called by every thread of
+ * the caller's parallel region (the panels are shared out by an orphaned omp for). */
 static void one_row_block(const uint16_t *a, int64_t m, int64_t pairs, int64_t padded_k, const uint32_t *weight,
                           const float *bias, int64_t n, float *out) {
     const int64_t k_blocks = padded_k / (2 * TILE_PAIRS), full_blocks = pairs / TILE_PAIRS, tail_pairs = pairs % TILE_PAIRS;
     const int64_t panels = (n + NR - 1) / NR;
-#pragma omp parallel
     {
         configure_tiles();
         float scratch[TILE_ROWS * NR] __attribute__((aligned(64)));
@@ -164,14 +164,24 @@ static void one_row_block(const uint16_t *a, int64_t m, int64_t pairs, int64_t p
     }
 }
 
-/* Two or more row blocks (a is zero-padded to whole pairs of them): 32 x 32 blocks in 2 x 2 C tiles. */
+/* The B tile of 16-column tile j (third j % 3 of panel j / 3), or NULL past the last panel. */
+static inline const uint32_t *column_tile(const uint32_t *weight, int64_t j, int64_t pairs, int64_t panel_tiles) {
+    return j < panel_tiles ? weight + j / 3 * pairs * NR + j % 3 * 16 : NULL;
+}
+
+/* Two or more row blocks (a is zero-padded to whole pairs of them): 32 x 32 blocks in 2 x 2 C tiles.
+ * Called by every thread of the caller's parallel region, like one_row_block. */
 static void row_block_pairs(const uint16_t *a, int64_t m, int64_t pairs, int64_t padded_k, const uint32_t *weight,
                             const float *bias, int64_t n, float *out) {
     const int64_t k_blocks = padded_k / (2 * TILE_PAIRS), full_blocks = pairs / TILE_PAIRS, tail_pairs = pairs % TILE_PAIRS;
     const int64_t row_pairs = (m + 2 * TILE_ROWS - 1) / (2 * TILE_ROWS);
     const int64_t column_tiles = (n + 15) / 16, panel_tiles = (n + NR - 1) / NR * 3, column_pairs = (column_tiles + 1) / 2;
     const int64_t a_stride = padded_k * sizeof(uint16_t), b_stride = NR * sizeof(uint32_t);
-#pragma omp parallel
+    /* The next column pair's weight lines are requested while this one computes, spread over its
+     * k steps: a tile load that misses to memory waits for all its 16 lines. From two row pairs up
+     * (33+ rows): with one, the requests crowd its few k steps and the B = 32 decode step measured
+     * slower with them than without (and the 16-row path slower with the next panel's). */
+    const int64_t prefetch_lines = row_pairs < 2 ? 0 : (2 * pairs + row_pairs * k_blocks - 1) / (row_pairs * k_blocks);
     {
         configure_tiles();
         float scratch[TILE_ROWS * 32] __attribute__((aligned(64)));
@@ -180,13 +190,14 @@ static void row_block_pairs(const uint16_t *a, int64_t m, int64_t pairs, int64_t
         memset(tails, 0, sizeof tails);
 #pragma omp for schedule(static)
         for (int64_t cp = 0; cp < column_pairs; ++cp) {
-            const uint32_t *b[2];
+            const uint32_t *b[2], *next[2];
             for (int t = 0; t < 2; ++t) {
-                const int64_t j = 2 * cp + t;
-                b[t] = j < panel_tiles ? weight + j / 3 * pairs * NR + j % 3 * 16 : NULL;
+                b[t] = column_tile(weight, 2 * cp + t, pairs, panel_tiles);
+                next[t] = column_tile(weight, 2 * cp + 2 + t, pairs, panel_tiles);
                 for (int64_t row = 0; row < tail_pairs; ++row)
                     if (b[t] != NULL) memcpy(tails[t] + row * NR, b[t] + (full_blocks * TILE_PAIRS + row) * NR, 16 * sizeof(uint32_t));
             }
+            int64_t prefetched = 0; /* lines of the next column pair requested so far (2 per pair row) */
             const uint32_t *b1 = b[1] != NULL ? b[1] : tails[1]; /* a 16-column tile past the last panel: zeros */
             const int64_t col = 2 * cp * 16, cols = n - col < 32 ? n - col : 32;
             for (int64_t rp = 0; rp < row_pairs; ++rp) {
@@ -197,6 +208,8 @@ static void row_block_pairs(const uint16_t *a, int64_t m, int64_t pairs, int64_t
                 _tile_zero(3);
                 for (int64_t kb = 0; kb < k_blocks; ++kb) {
                     const int full = kb < full_blocks;
+                    for (int64_t line = 0; line < prefetch_lines && prefetched < 2 * pairs; ++line, ++prefetched)
+                        if (next[prefetched % 2] != NULL) _mm_prefetch((const char *)(next[prefetched % 2] + prefetched / 2 * NR), _MM_HINT_T0);
                     _tile_loadd(4, a0 + kb * 2 * TILE_PAIRS, a_stride);
                     _tile_loadd(6, full ? b[0] + kb * TILE_PAIRS * NR : tails[0], b_stride);
                     _tile_dpbf16ps(0, 4, 6);
@@ -232,12 +245,15 @@ void gemm_packed_bf16_amx(const float *x, int64_t m, int64_t k, int64_t x_stride
     const int64_t block_rows = m <= TILE_ROWS ? TILE_ROWS : 2 * TILE_ROWS; /* rows of the register block */
     const int64_t padded_m = (m + block_rows - 1) / block_rows * block_rows;
     uint16_t *a = bf16_copy_of_x((size_t)padded_m * padded_k);
-#pragma omp parallel for schedule(static)
-    for (int64_t r = 0; r < padded_m; ++r) round_row(x, x_stride, m, k, padded_k, r, a + r * padded_k);
-    if (m <= TILE_ROWS)
-        one_row_block(a, m, pairs, padded_k, weight, bias, n, out);
-    else
-        row_block_pairs(a, m, pairs, padded_k, weight, bias, n, out);
+#pragma omp parallel /* one region: the rounding's omp for ends in a barrier, then the tiles */
+    {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < padded_m; ++r) round_row(x, x_stride, m, k, padded_k, r, a + r * padded_k);
+        if (m <= TILE_ROWS)
+            one_row_block(a, m, pairs, padded_k, weight, bias, n, out);
+        else
+            row_block_pairs(a, m, pairs, padded_k, weight, bias, n, out);
+    }
 }
 #else
 int64_t gemm_amx_supported(void) { return 0; }
