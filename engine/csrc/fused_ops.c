@@ -3,7 +3,7 @@
  * the activations and several dispatches per layer, by one parallel loop over tokens.
  * Built and loaded by engine/native.py; Python wrappers and reference forms in engine/fused_ops.py.
  */
-#include "common.h"
+#include "lanes.h"
 
 /* residual[t] += x[t] (when add_residual), then out[t] = residual[t] / rms(residual[t]) * weight.
  * x and out may be the same buffer. Sums in float32, like F.rms_norm on float32. */
@@ -38,9 +38,10 @@ void silu_and_mul_f32(const float *gate_up, int64_t num_tokens, int64_t size, fl
         const float *restrict gate = gate_up + t * 2 * size, *restrict up = gate + size;
         float *restrict dst = out + t * size;
         int64_t i = 0;
-        for (; i + 8 <= size; i += 8) {
-            const f32x8 g = load8(gate + i);
-            store8(dst + i, g / (1.0f + exp8(-g)) * load8(up + i));
+        for (; i + LANES <= size; i += LANES) { /* the vector unit's full width (lanes.h): 16 with AVX-512 */
+            const vf g = load_vf(gate + i), u = load_vf(up + i);
+            const vf value = g / (1.0f + vexp(-g)) * u;
+            memcpy(dst + i, &value, sizeof value);
         }
         for (; i < size; ++i) dst[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
     }
