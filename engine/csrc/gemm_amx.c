@@ -25,7 +25,8 @@
  *     calls (no allocation, no page faults per call); padded rows and k contribute exact zeros;
  *   - a k tail (pairs not a multiple of 16) reads its B rows from a zero-padded copy of the
  *     tile's last rows, never past the weight;
- *   - C tiles are stored to a scratch tile, and the valid rows and columns (+ bias) copied out.
+ *   - C tiles of a whole 16 x 32 block are stored into out (+ bias there); edge blocks and the
+ *     16-row path store to a scratch tile and copy the valid rows and columns (+ bias) out.
  * Every thread configures its tiles (all eight 16 rows x 64 bytes) at the start of the parallel
  * region and releases them at its end; the process must hold the kernel's permission for AMX
  * state (arch_prctl ARCH_REQ_XCOMP_PERM), which gemm_amx_supported() requests.
@@ -222,14 +223,22 @@ static void row_block_pairs(const uint16_t *a, int64_t m, int64_t pairs, int64_t
                 for (int half = 0; half < 2; ++half) {
                     const int64_t first_row = (2 * rp + half) * TILE_ROWS;
                     if (first_row >= m) break;
+                    /* a whole 16 x 32 block goes straight into out (+ bias in place), an edge one via the scratch */
+                    const int whole = first_row + TILE_ROWS <= m && cols == 32;
+                    float *c = whole ? out + first_row * n + col : scratch;
+                    const int64_t c_stride = (whole ? n : 32) * sizeof(float);
                     if (half == 0) {
-                        _tile_stored(0, scratch, 32 * sizeof(float));
-                        _tile_stored(1, scratch + 16, 32 * sizeof(float));
+                        _tile_stored(0, c, c_stride);
+                        _tile_stored(1, c + 16, c_stride);
                     } else {
-                        _tile_stored(2, scratch, 32 * sizeof(float));
-                        _tile_stored(3, scratch + 16, 32 * sizeof(float));
+                        _tile_stored(2, c, c_stride);
+                        _tile_stored(3, c + 16, c_stride);
                     }
-                    copy_out(scratch, 32, first_row, m, col, cols, bias, n, out);
+                    if (!whole)
+                        copy_out(scratch, 32, first_row, m, col, cols, bias, n, out);
+                    else if (bias != NULL)
+                        for (int64_t r = 0; r < TILE_ROWS; ++r)
+                            for (int64_t j = 0; j < 32; ++j) c[r * n + j] += bias[col + j];
                 }
             }
         }
