@@ -90,8 +90,8 @@ class LLM:
             bytes, ~2x faster on an AMD EPYC; inputs rounded to bfloat16, float32 sums): needs
             ``prepack`` and a CPU and compiler target with AVX512-BF16, else a ``ValueError``.
             On a CPU with AMX the bfloat16 panels are multiplied on AMX tiles
-            (``engine/csrc/gemm_amx.c``, up to 256 rows, 1.2-2.2x faster than oneDNN's AMX copies
-            up to 128; decision 24), so every step of the default 256-token budget can run whole
+            (``engine/csrc/gemm_amx.c``, up to 256 rows, 1.2-2.6x faster than oneDNN's AMX copies
+            at 8-256 rows; decision 24), so every step of the default 256-token budget can run whole
             layers in C. ``"auto"``: bfloat16 where it has them, except beside bfloat16 oneDNN
             copies on a CPU with AMX but without the AMX panel kernel, where those copies serve
             every step above 8 rows and the panels stay float32 (decision 19). ``"int16"``: decode batches of 5-32 rows take the

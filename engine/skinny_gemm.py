@@ -16,7 +16,7 @@ per instruction, with x and W rounded to bfloat16 (docs/decisions.md, decision 1
 AMX, ``SkinnyGemm(torch.bfloat16, amx=True)`` multiplies the same bfloat16 panels on AMX's tile
 unit instead (``engine/csrc/gemm_amx.c``: 16-row tiles, 8,192 multiply-adds per instruction), the
 same products summed in another order; it beat both the AVX512-BF16 panels and oneDNN's bfloat16
-copies from 8 to 128 rows, and serves up to 256 (decision 24). Inputs and outputs are float32 CPU tensors in every
+copies from 8 to 256 rows, the rows it serves (decision 24). Inputs and outputs are float32 CPU tensors in every
 build; compiled on first use like the other C kernels (``engine/native.py``).
 """
 from __future__ import annotations

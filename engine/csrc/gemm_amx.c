@@ -21,8 +21,8 @@
  *     every row pair uses it; the next column pair's lines are prefetched meanwhile.
  * Around them (decision 24):
  *   - x is rounded to bfloat16 (VCVTNE2PS2BF16, round to nearest even) by all threads at once,
- *     into a copy zero-padded to whole tiles (16 or 32 rows, 32 k) that each thread keeps between
- *     calls (no allocation, no page faults per call); padded rows and k contribute exact zeros;
+ *     into a copy zero-padded to whole tiles (16 or 32 rows, 32 k) that the calling thread keeps
+ *     between calls (no allocation, no page faults per call); padded rows and k contribute exact zeros;
  *   - a k tail (pairs not a multiple of 16) reads its B rows from a zero-padded copy of the
  *     tile's last rows, never past the weight;
  *   - C tiles of a whole 16 x 32 block are stored into out (+ bias there); edge blocks and the
@@ -133,36 +133,34 @@ static void one_row_block(const uint16_t *a, int64_t m, int64_t pairs, int64_t p
                           const float *bias, int64_t n, float *out) {
     const int64_t k_blocks = padded_k / (2 * TILE_PAIRS), full_blocks = pairs / TILE_PAIRS, tail_pairs = pairs % TILE_PAIRS;
     const int64_t panels = (n + NR - 1) / NR;
-    {
-        configure_tiles();
-        float scratch[TILE_ROWS * NR] __attribute__((aligned(64)));
-        uint32_t tail[TILE_PAIRS * NR] __attribute__((aligned(64)));
-        memset(tail, 0, sizeof tail);
+    configure_tiles();
+    float scratch[TILE_ROWS * NR] __attribute__((aligned(64)));
+    uint32_t tail[TILE_PAIRS * NR] __attribute__((aligned(64)));
+    memset(tail, 0, sizeof tail);
 #pragma omp for schedule(static)
-        for (int64_t p = 0; p < panels; ++p) {
-            const uint32_t *panel = weight + p * pairs * NR;
-            if (tail_pairs) memcpy(tail, panel + full_blocks * TILE_PAIRS * NR, sizeof(uint32_t) * tail_pairs * NR);
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            for (int64_t kb = 0; kb < k_blocks; ++kb) {
-                const uint32_t *b = kb < full_blocks ? panel + kb * TILE_PAIRS * NR : tail;
-                _tile_loadd(3, a + kb * 2 * TILE_PAIRS, padded_k * sizeof(uint16_t));
-                _tile_loadd(4, b, NR * sizeof(uint32_t));
-                _tile_loadd(5, b + 16, NR * sizeof(uint32_t));
-                _tile_loadd(6, b + 32, NR * sizeof(uint32_t));
-                _tile_dpbf16ps(0, 3, 4);
-                _tile_dpbf16ps(1, 3, 5);
-                _tile_dpbf16ps(2, 3, 6);
-            }
-            _tile_stored(0, scratch, NR * sizeof(float));
-            _tile_stored(1, scratch + 16, NR * sizeof(float));
-            _tile_stored(2, scratch + 32, NR * sizeof(float));
-            const int64_t col = p * NR;
-            copy_out(scratch, NR, 0, m, col, n - col < NR ? n - col : NR, bias, n, out);
+    for (int64_t p = 0; p < panels; ++p) {
+        const uint32_t *panel = weight + p * pairs * NR;
+        if (tail_pairs) memcpy(tail, panel + full_blocks * TILE_PAIRS * NR, sizeof(uint32_t) * tail_pairs * NR);
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        for (int64_t kb = 0; kb < k_blocks; ++kb) {
+            const uint32_t *b = kb < full_blocks ? panel + kb * TILE_PAIRS * NR : tail;
+            _tile_loadd(3, a + kb * 2 * TILE_PAIRS, padded_k * sizeof(uint16_t));
+            _tile_loadd(4, b, NR * sizeof(uint32_t));
+            _tile_loadd(5, b + 16, NR * sizeof(uint32_t));
+            _tile_loadd(6, b + 32, NR * sizeof(uint32_t));
+            _tile_dpbf16ps(0, 3, 4);
+            _tile_dpbf16ps(1, 3, 5);
+            _tile_dpbf16ps(2, 3, 6);
         }
-        _tile_release();
+        _tile_stored(0, scratch, NR * sizeof(float));
+        _tile_stored(1, scratch + 16, NR * sizeof(float));
+        _tile_stored(2, scratch + 32, NR * sizeof(float));
+        const int64_t col = p * NR;
+        copy_out(scratch, NR, 0, m, col, n - col < NR ? n - col : NR, bias, n, out);
     }
+    _tile_release();
 }
 
 /* The B tile of 16-column tile j (third j % 3 of panel j / 3), or NULL past the last panel. */
@@ -183,67 +181,65 @@ static void row_block_pairs(const uint16_t *a, int64_t m, int64_t pairs, int64_t
      * (33+ rows): with one, the requests crowd its few k steps and the B = 32 decode step measured
      * slower with them than without (and the 16-row path slower with the next panel's). */
     const int64_t prefetch_lines = row_pairs < 2 ? 0 : (2 * pairs + row_pairs * k_blocks - 1) / (row_pairs * k_blocks);
-    {
-        configure_tiles();
-        float scratch[TILE_ROWS * 32] __attribute__((aligned(64)));
-        /* B tiles of the k tail (16 pair rows of 16 columns, 48 apart like a panel), zero past the weight */
-        uint32_t tails[2][TILE_PAIRS * NR] __attribute__((aligned(64)));
-        memset(tails, 0, sizeof tails);
+    configure_tiles();
+    float scratch[TILE_ROWS * 32] __attribute__((aligned(64)));
+    /* B tiles of the k tail (16 pair rows of 16 columns, 48 apart like a panel), zero past the weight */
+    uint32_t tails[2][TILE_PAIRS * NR] __attribute__((aligned(64)));
+    memset(tails, 0, sizeof tails);
 #pragma omp for schedule(static)
-        for (int64_t cp = 0; cp < column_pairs; ++cp) {
-            const uint32_t *b[2], *next[2];
-            for (int t = 0; t < 2; ++t) {
-                b[t] = column_tile(weight, 2 * cp + t, pairs, panel_tiles);
-                next[t] = column_tile(weight, 2 * cp + 2 + t, pairs, panel_tiles);
-                for (int64_t row = 0; row < tail_pairs; ++row)
-                    if (b[t] != NULL) memcpy(tails[t] + row * NR, b[t] + (full_blocks * TILE_PAIRS + row) * NR, 16 * sizeof(uint32_t));
+    for (int64_t cp = 0; cp < column_pairs; ++cp) {
+        const uint32_t *b[2], *next[2];
+        for (int t = 0; t < 2; ++t) {
+            b[t] = column_tile(weight, 2 * cp + t, pairs, panel_tiles);
+            next[t] = column_tile(weight, 2 * cp + 2 + t, pairs, panel_tiles);
+            for (int64_t row = 0; row < tail_pairs; ++row)
+                if (b[t] != NULL) memcpy(tails[t] + row * NR, b[t] + (full_blocks * TILE_PAIRS + row) * NR, 16 * sizeof(uint32_t));
+        }
+        int64_t prefetched = 0; /* lines of the next column pair requested so far (2 per pair row) */
+        const uint32_t *b1 = b[1] != NULL ? b[1] : tails[1]; /* a 16-column tile past the last panel: zeros */
+        const int64_t col = 2 * cp * 16, cols = n - col < 32 ? n - col : 32;
+        for (int64_t rp = 0; rp < row_pairs; ++rp) {
+            const uint16_t *a0 = a + rp * 2 * TILE_ROWS * padded_k, *a1 = a0 + TILE_ROWS * padded_k;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t kb = 0; kb < k_blocks; ++kb) {
+                const int full = kb < full_blocks;
+                for (int64_t line = 0; line < prefetch_lines && prefetched < 2 * pairs; ++line, ++prefetched)
+                    if (next[prefetched % 2] != NULL) _mm_prefetch((const char *)(next[prefetched % 2] + prefetched / 2 * NR), _MM_HINT_T0);
+                _tile_loadd(4, a0 + kb * 2 * TILE_PAIRS, a_stride);
+                _tile_loadd(6, full ? b[0] + kb * TILE_PAIRS * NR : tails[0], b_stride);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_loadd(5, a1 + kb * 2 * TILE_PAIRS, a_stride);
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_loadd(7, full && b[1] != NULL ? b1 + kb * TILE_PAIRS * NR : tails[1], b_stride);
+                _tile_dpbf16ps(1, 4, 7);
+                _tile_dpbf16ps(3, 5, 7);
             }
-            int64_t prefetched = 0; /* lines of the next column pair requested so far (2 per pair row) */
-            const uint32_t *b1 = b[1] != NULL ? b[1] : tails[1]; /* a 16-column tile past the last panel: zeros */
-            const int64_t col = 2 * cp * 16, cols = n - col < 32 ? n - col : 32;
-            for (int64_t rp = 0; rp < row_pairs; ++rp) {
-                const uint16_t *a0 = a + rp * 2 * TILE_ROWS * padded_k, *a1 = a0 + TILE_ROWS * padded_k;
-                _tile_zero(0);
-                _tile_zero(1);
-                _tile_zero(2);
-                _tile_zero(3);
-                for (int64_t kb = 0; kb < k_blocks; ++kb) {
-                    const int full = kb < full_blocks;
-                    for (int64_t line = 0; line < prefetch_lines && prefetched < 2 * pairs; ++line, ++prefetched)
-                        if (next[prefetched % 2] != NULL) _mm_prefetch((const char *)(next[prefetched % 2] + prefetched / 2 * NR), _MM_HINT_T0);
-                    _tile_loadd(4, a0 + kb * 2 * TILE_PAIRS, a_stride);
-                    _tile_loadd(6, full ? b[0] + kb * TILE_PAIRS * NR : tails[0], b_stride);
-                    _tile_dpbf16ps(0, 4, 6);
-                    _tile_loadd(5, a1 + kb * 2 * TILE_PAIRS, a_stride);
-                    _tile_dpbf16ps(2, 5, 6);
-                    _tile_loadd(7, full && b[1] != NULL ? b1 + kb * TILE_PAIRS * NR : tails[1], b_stride);
-                    _tile_dpbf16ps(1, 4, 7);
-                    _tile_dpbf16ps(3, 5, 7);
+            for (int half = 0; half < 2; ++half) {
+                const int64_t first_row = (2 * rp + half) * TILE_ROWS;
+                if (first_row >= m) break;
+                /* a whole 16 x 32 block goes straight into out (+ bias in place), an edge one via the scratch */
+                const int whole = first_row + TILE_ROWS <= m && cols == 32;
+                float *c = whole ? out + first_row * n + col : scratch;
+                const int64_t c_stride = (whole ? n : 32) * sizeof(float);
+                if (half == 0) {
+                    _tile_stored(0, c, c_stride);
+                    _tile_stored(1, c + 16, c_stride);
+                } else {
+                    _tile_stored(2, c, c_stride);
+                    _tile_stored(3, c + 16, c_stride);
                 }
-                for (int half = 0; half < 2; ++half) {
-                    const int64_t first_row = (2 * rp + half) * TILE_ROWS;
-                    if (first_row >= m) break;
-                    /* a whole 16 x 32 block goes straight into out (+ bias in place), an edge one via the scratch */
-                    const int whole = first_row + TILE_ROWS <= m && cols == 32;
-                    float *c = whole ? out + first_row * n + col : scratch;
-                    const int64_t c_stride = (whole ? n : 32) * sizeof(float);
-                    if (half == 0) {
-                        _tile_stored(0, c, c_stride);
-                        _tile_stored(1, c + 16, c_stride);
-                    } else {
-                        _tile_stored(2, c, c_stride);
-                        _tile_stored(3, c + 16, c_stride);
-                    }
-                    if (!whole)
-                        copy_out(scratch, 32, first_row, m, col, cols, bias, n, out);
-                    else if (bias != NULL)
-                        for (int64_t r = 0; r < TILE_ROWS; ++r)
-                            for (int64_t j = 0; j < 32; ++j) c[r * n + j] += bias[col + j];
-                }
+                if (!whole)
+                    copy_out(scratch, 32, first_row, m, col, cols, bias, n, out);
+                else if (bias != NULL)
+                    for (int64_t r = 0; r < TILE_ROWS; ++r)
+                        for (int64_t j = 0; j < 32; ++j) c[r * n + j] += bias[col + j];
             }
         }
-        _tile_release();
     }
+    _tile_release();
 }
 
 /* The linear_fn of decoder_layer.c (weight: gemm_bf16.c's pack_weight_bf16 panels). */
