@@ -62,8 +62,8 @@ typedef struct {
 int64_t gemm_amx_supported(void) { return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0; }
 
 /* The most rows the engine gives this kernel: decode batches and the default scheduler's 256-token
- * steps (oneDNN's prepacked copies above; this kernel re-reads x once per panel, so its lead over
- * them shrinks with the rows: decision 24). */
+ * steps (oneDNN's prepacked copies above; this kernel re-reads x once per column pair, so its lead
+ * over them shrinks with the rows, to 1.3x at 256: decision 24). */
 int64_t gemm_amx_max_rows(void) { return 256; }
 
 /* The bfloat16 copy of x, zero-padded: this thread's, grown when a call needs more (kept between
@@ -196,7 +196,6 @@ static void row_block_pairs(const uint16_t *a, int64_t m, int64_t pairs, int64_t
                 if (b[t] != NULL) memcpy(tails[t] + row * NR, b[t] + (full_blocks * TILE_PAIRS + row) * NR, 16 * sizeof(uint32_t));
         }
         int64_t prefetched = 0; /* lines of the next column pair requested so far (2 per pair row) */
-        const uint32_t *b1 = b[1] != NULL ? b[1] : tails[1]; /* a 16-column tile past the last panel: zeros */
         const int64_t col = 2 * cp * 16, cols = n - col < 32 ? n - col : 32;
         for (int64_t rp = 0; rp < row_pairs; ++rp) {
             const uint16_t *a0 = a + rp * 2 * TILE_ROWS * padded_k, *a1 = a0 + TILE_ROWS * padded_k;
@@ -213,7 +212,7 @@ static void row_block_pairs(const uint16_t *a, int64_t m, int64_t pairs, int64_t
                 _tile_dpbf16ps(0, 4, 6);
                 _tile_loadd(5, a1 + kb * 2 * TILE_PAIRS, a_stride);
                 _tile_dpbf16ps(2, 5, 6);
-                _tile_loadd(7, full && b[1] != NULL ? b1 + kb * TILE_PAIRS * NR : tails[1], b_stride);
+                _tile_loadd(7, full && b[1] != NULL ? b[1] + kb * TILE_PAIRS * NR : tails[1], b_stride); /* past the last panel: zeros */
                 _tile_dpbf16ps(1, 4, 7);
                 _tile_dpbf16ps(3, 5, 7);
             }
